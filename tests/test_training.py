@@ -1,0 +1,78 @@
+"""Issue 2: real 2-rank FSDP training on CPU: learning, exact resume, torn checkpoints."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from tests.conftest import losses, rfsdp, train
+from trainer.checkpoint import CHECKPOINTS, latest_checkpoint, read_full_state, verify_checkpoint
+from trainer.events import read_events
+
+
+def assert_same_tensors(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], dict):
+            assert_same_tensors(a[key], b[key])
+        elif isinstance(a[key], torch.Tensor):
+            assert torch.equal(a[key], b[key]), key
+        else:
+            assert a[key] == b[key], key
+
+
+def test_training_lowers_the_loss(baseline_60: Path) -> None:
+    loss = losses(baseline_60)
+    assert sorted(loss) == list(range(1, 61))
+    assert sum(loss[s] for s in range(51, 61)) / 10 < loss[1] - 1.0
+    events = read_events(baseline_60)
+    assert [e["step"] for e in events if e["event"] == "checkpoint"] == [10, 20, 30, 40, 50, 60]
+    assert events[-1]["event"] == "run_end" and events[-1]["status"] == "completed"
+    # keep-last-3 retention and a verified latest
+    assert latest_checkpoint(baseline_60).name == "step_000060"
+    assert sorted(p.name for p in (baseline_60 / CHECKPOINTS).glob("step_*")) == ["step_000040", "step_000050", "step_000060"]
+    verify_checkpoint(latest_checkpoint(baseline_60))
+
+
+def test_stop_and_resume_is_bitwise_exact(data_dir: Path, baseline_60: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train(data_dir, run, "--steps", "60", "--stop-at-step", "30", "--ckpt-mode", "sync")
+    assert max(losses(run)) == 30
+    train(data_dir, run, "--steps", "60", "--ckpt-mode", "sync")
+    assert losses(run) == losses(baseline_60)  # every step's final loss, bit for bit
+    assert_same_tensors(read_full_state(run / CHECKPOINTS / "step_000060"), read_full_state(baseline_60 / CHECKPOINTS / "step_000060"))
+
+
+def test_torn_checkpoint_is_skipped(data_dir: Path, baseline_60: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train(data_dir, run, "--steps", "60", "--stop-at-step", "30", "--keep-last", "5")
+    ckpts = run / CHECKPOINTS
+    next(iter((ckpts / "step_000030").glob("__1_*.distcp"))).unlink()  # a shard removed
+    shard = next(iter((ckpts / "step_000020").glob("__0_*.distcp")))
+    shard.write_bytes(shard.read_bytes()[:-64])  # a shard truncated
+    train(data_dir, run, "--steps", "60", "--keep-last", "5")
+    events = read_events(run)
+    skipped = [e for e in events if e["event"] == "warning" and e["kind"] == "checkpoint_skipped"]
+    assert [e["step"] for e in skipped] == [30, 20]
+    assert [e["resumed_from_step"] for e in events if e["event"] == "run_start"] == [0, 10]
+    assert losses(run) == losses(baseline_60)
+    verify_checkpoint(latest_checkpoint(run))
+
+
+def test_bad_input_fails_before_training(data_dir: Path, tmp_path: Path) -> None:
+    proc = rfsdp("train", "--data", str(data_dir), "--run-dir", str(tmp_path / "r"), "--model", "gigantic")
+    assert proc.returncode == 2 and "--model" in proc.stderr and "Traceback" not in proc.stderr
+    proc = rfsdp("train", "--data", str(tmp_path / "missing"), "--run-dir", str(tmp_path / "r"))
+    assert proc.returncode == 2 and "--data" in proc.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_another_config_is_refused_and_nothing_is_touched(data_dir: Path, baseline_60: Path, tmp_path: Path) -> None:
+    run = tmp_path / "copy"
+    shutil.copytree(baseline_60, run)
+    before = sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*"))
+    proc = rfsdp("train", "--quiet", "--data", str(data_dir), "--run-dir", str(run), "--steps", "60", "--seed", "7")
+    assert proc.returncode == 2 and "another training config" in proc.stderr and "seed" in proc.stderr
+    assert sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*")) == before

@@ -1,0 +1,138 @@
+"""Fast checks of config, fault specs, data and the events contract (no processes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trainer.config import Timeouts, TrainConfig
+from trainer.data import DataError, TokenLoader, decode, encode, load_manifest, load_split, prepare_tokens, verify_shards
+from trainer.events import describe_restart, final_losses
+from trainer.faults import parse_fault_spec
+from trainer.launch import LaunchSpec, check_launch
+from trainer.train import lr_at
+
+
+def cfg(**kw) -> TrainConfig:
+    return TrainConfig(data="d", run_dir="r", **kw)
+
+
+@pytest.mark.parametrize(
+    ("kw", "names"),
+    [
+        ({"model": "huge"}, "--model"),
+        ({"steps": 0}, "--steps"),
+        ({"ckpt_every": -1}, "--ckpt-every"),
+        ({"ckpt_mode": "later"}, "--ckpt-mode"),
+        ({"stop_at_step": 99}, "--stop-at-step"),
+        ({"fault": "explode@3"}, "--fault"),
+        ({"fault": "exception@999"}, "--fault"),
+        ({"fault": "sigkill@3:5"}, "--fault"),
+        ({"fault": "sigkill-3"}, "--fault"),
+    ],
+)
+def test_bad_config_names_the_parameter(kw: dict, names: str) -> None:
+    with pytest.raises(ValueError, match=names):
+        cfg(**kw)
+
+
+def test_fault_spec_grammar() -> None:
+    faults = parse_fault_spec("exception@5:1, sigkill@9,hang@12:0,exit@20:1", steps=30, world_size=2)
+    assert [(f.kind, f.step, f.rank) for f in faults] == [("exception", 5, 1), ("sigkill", 9, 0), ("hang", 12, 0), ("exit", 20, 1)]
+
+
+def test_timeouts_keep_their_order() -> None:
+    t = Timeouts(10, inprocess=True)
+    assert t.collective < t.soft < t.heartbeat < t.hard < t.barrier < t.initial_heartbeat
+
+
+def test_config_round_trips_through_argv() -> None:
+    import argparse
+
+    from trainer.config import add_train_arguments
+
+    original = cfg(fault="exception@3:1", inprocess_restart=False, ckpt_mode="sync")
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    assert TrainConfig.from_namespace(parser.parse_args(original.to_argv())) == original
+
+
+def test_lr_schedule_warms_up_then_decays() -> None:
+    c = cfg(steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1)
+    assert lr_at(c, 5) == pytest.approx(0.5)
+    assert lr_at(c, 10) == pytest.approx(1.0)
+    assert lr_at(c, 100) == pytest.approx(0.1)
+    assert lr_at(c, 50) > lr_at(c, 80)
+
+
+def test_tokenizer_round_trip() -> None:
+    text = "naïve café ✓"
+    assert decode(encode(text)) == text
+
+
+def test_prepare_and_verify(tmp_path: Path) -> None:
+    text = "The quick brown fox jumps over the lazy dog. " * 2000
+    manifest = prepare_tokens(text, tmp_path, shard_tokens=20_000)
+    assert manifest["splits"]["train"]["tokens"] + manifest["splits"]["val"]["tokens"] == len(text)
+    assert len(manifest["splits"]["train"]["shards"]) > 1
+    verify_shards(tmp_path, load_manifest(tmp_path))
+    assert decode(load_split(tmp_path, "train")[:9]) == "The quick"
+
+    shard = tmp_path / manifest["splits"]["train"]["shards"][1]["file"]
+    raw = bytearray(shard.read_bytes())
+    raw[100] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match="checksum"):
+        verify_shards(tmp_path, manifest)
+    shard.write_bytes(bytes(raw[:-10]))
+    with pytest.raises(DataError, match="wrong size"):
+        verify_shards(tmp_path, manifest)
+    shard.unlink()
+    with pytest.raises(DataError, match="missing"):
+        verify_shards(tmp_path, manifest)
+
+
+def test_loader_shards_by_rank_and_resumes_from_its_position() -> None:
+    tokens = np.arange(50_000, dtype=np.uint16) % 256
+    r0, r1 = (TokenLoader(tokens, 16, 4, rank, 2) for rank in (0, 1))
+    a0, _ = r0.next_batch()
+    a1, _ = r1.next_batch()
+    assert not np.array_equal(a0.numpy(), a1.numpy())
+    r0.next_batch()
+    state = r0.state_dict()
+    expected, _ = r0.next_batch()
+    fresh = TokenLoader(tokens, 16, 4, 0, 2)
+    fresh.load_state_dict(state)
+    assert np.array_equal(fresh.next_batch()[0].numpy(), expected.numpy())
+
+
+def test_describe_restart_measures_from_the_fault() -> None:
+    prior = [
+        {"event": "run_start", "time": 0.0},
+        *({"event": "step", "time": float(s), "step": s, "loss": 1.0} for s in range(1, 15)),
+        {"event": "fault", "time": 14.5, "kind": "exception", "step": 15},
+    ]
+    r = describe_restart(prior, layer="in_process", resumed_from=10, first_step_time=20.0)
+    assert r == {"layer": "in_process", "attempt": 1, "resumed_from_step": 10, "lost_steps": 4, "recovery_s": 5.5}
+
+
+def test_final_losses_take_the_last_line() -> None:
+    events = [{"event": "step", "step": 1, "loss": 2.0}, {"event": "step", "step": 1, "loss": 1.5}]
+    assert final_losses(events) == {1: 1.5}
+
+
+def test_launch_refuses_bad_input_before_starting(tmp_path: Path, data_dir: Path) -> None:
+    with pytest.raises(ValueError, match="--data"):
+        check_launch(TrainConfig(data=str(tmp_path / "nope"), run_dir=str(tmp_path / "r")), LaunchSpec())
+    with pytest.raises(ValueError, match="--nproc-per-node"):
+        LaunchSpec(nproc_per_node=0)
+    with pytest.raises(ValueError, match="does not fit"):
+        check_launch(TrainConfig(data=str(data_dir), run_dir=str(tmp_path / "r"), world_size=512), LaunchSpec(nproc_per_node=512))
+    run = tmp_path / "other"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"model": "small", "seed": 0}))
+    with pytest.raises(ValueError, match="another training config"):
+        check_launch(TrainConfig(data=str(data_dir), run_dir=str(run)), LaunchSpec())

@@ -1,0 +1,351 @@
+"""Sharded DCP checkpoints: layout, atomic publication, verification, retention and resume.
+
+A save goes to ``checkpoints/step_NNNNNN.tmp<gen>/``. Each rank writes its DCP shard and its
+``rank<R>.pt`` (data position, RNG, counters), then a checksum file of its own files. Only when
+every rank's part is durable does rank 0 write ``manifest.json`` (sizes + SHA-256 of every file),
+rename the directory to ``step_NNNNNN`` and move the ``latest`` pointer. Resume walks published
+checkpoints newest first and takes the first whose manifest verifies.
+
+How the shards are written is a :class:`CheckpointWriter`: ``SyncDcpWriter`` here, the NVRx
+background writer in ``trainer.resilience``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from trainer.events import EventLog
+from trainer.fsutil import atomic_write_text, file_sha256, fsync_dir
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+MANIFEST = "manifest.json"
+_PUBLISHED = re.compile(r"^step_(\d{6})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, torn or corrupt."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A background write failed on at least one rank (raised on every rank alike)."""
+
+
+def step_dir_name(step: int) -> str:
+    """``step_000120`` for step 120."""
+    return f"step_{step:06d}"
+
+
+def rank_state_file(rank: int) -> str:
+    """Name of a rank's non-tensor state file inside a checkpoint."""
+    return f"rank{rank}.pt"
+
+
+def write_rank_checksums(directory: Path, rank: int) -> None:
+    """Hash this rank's files of a checkpoint and record them durably (``checksums_rank<R>.json``).
+
+    Runs right after the rank's shard is written: in the background worker for async saves.
+    """
+    directory = Path(directory)
+    names = [p.name for p in directory.glob(f"__{rank}_*.distcp")] + [rank_state_file(rank)]
+    record = {name: {"size": (directory / name).stat().st_size, "sha256": file_sha256(directory / name)} for name in names}
+    atomic_write_text(directory / f"checksums_rank{rank}.json", json.dumps(record))
+
+
+class CheckpointWriter(Protocol):
+    """Writes the tensor state of one checkpoint; collective over the checkpoint group."""
+
+    mode: str
+
+    def start(self, state_dict: dict, directory: Path, group: dist.ProcessGroup) -> None:
+        """Begin writing ``state_dict`` (DCP layout) into ``directory``; returns when the
+        training loop may continue.
+        """
+
+    def poll(self, *, blocking: bool) -> bool:
+        """True once the write started last is durable on every rank (collective: call on the
+        same iteration on every rank). Raises CheckpointWriteError on every rank if it failed.
+        """
+
+    def abandon(self) -> None:
+        """Forget an in-flight write after a fault (local, no collectives)."""
+
+    def close(self) -> None:
+        """Release background resources."""
+
+
+class SyncDcpWriter:
+    """The synchronous baseline: ``torch.distributed.checkpoint.save`` inside the loop."""
+
+    mode = "sync"
+
+    def start(self, state_dict: dict, directory: Path, group: dist.ProcessGroup) -> None:
+        """Write, fsync and checksum the shard before returning."""
+        dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(directory, sync_files=True), process_group=group)
+        write_rank_checksums(directory, dist.get_rank())
+
+    def poll(self, *, blocking: bool) -> bool:
+        """Always done: the write happened inside :meth:`start`."""
+        return True
+
+    def abandon(self) -> None:
+        """Nothing is ever in flight."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+@dataclass(slots=True)
+class _Pending:
+    step: int
+    tmp_dir: Path
+    started: float
+    blocking_s: float
+
+
+class Checkpointer:
+    """Owns the checkpoint policy of a run: when to save, publish, retain and resume."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        writer: CheckpointWriter,
+        group: dist.ProcessGroup,
+        events: EventLog,
+        every: int,
+        keep_last: int,
+        fingerprint: str,
+        heartbeat: Callable[[], None] = lambda: None,
+        on_published: Callable[[Path], None] | None = None,
+    ) -> None:
+        self.root = Path(run_dir) / CHECKPOINTS
+        self.writer = writer
+        self.group = group
+        self.events = events
+        self.every = every
+        self.keep_last = keep_last
+        self.fingerprint = fingerprint
+        self.heartbeat = heartbeat
+        self.on_published = on_published
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.pending: _Pending | None = None
+        # A generation tag keeps this incarnation's temp dirs apart from a dead one's.
+        tag = [f"{time.time_ns():x}" if self.rank == 0 else None]
+        dist.broadcast_object_list(tag, src=0, group=group)
+        self.generation = tag[0]
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+        dist.barrier(group=group)
+
+    # ---------------------------------------------------------------- resume
+    def load_latest(self, load: Callable[[Path], None]) -> int:
+        """Resume from the newest checkpoint that verifies; returns its step (0: none).
+
+        ``load`` receives the chosen directory and restores model, optimizer and rank state.
+        Invalid checkpoints are skipped with a ``warning`` event.
+        """
+        chosen = [None]
+        if self.rank == 0:
+            self._remove_stale_temp_dirs()
+            for step, path in reversed(published_checkpoints(self.root)):
+                try:
+                    verify_checkpoint(path, fingerprint=self.fingerprint, world_size=self.world_size)
+                except CheckpointError as e:
+                    self.events.emit("warning", kind="checkpoint_skipped", step=step, reason=str(e))
+                    continue
+                chosen = [step]
+                break
+        dist.broadcast_object_list(chosen, src=0, group=self.group)
+        if chosen[0] is None:
+            return 0
+        load(self.root / step_dir_name(chosen[0]))
+        return chosen[0]
+
+    # ------------------------------------------------------------------ save
+    def step(self, step: int, state: Callable[[], tuple[dict, dict]], *, last: bool) -> None:
+        """Called once per training step on every rank: finishes in-flight saves, starts due ones.
+
+        ``state`` returns ``(tensor_state, rank_state)``; it is only called when a save starts.
+        """
+        self._poll(blocking=last)
+        if step % self.every == 0 or last:
+            self.save(step, state)
+            if last:
+                self._poll(blocking=True)
+
+    def save(self, step: int, state: Callable[[], tuple[dict, dict]]) -> None:
+        """Start a checkpoint of ``step`` now (waiting first for one still in flight)."""
+        t0, started = time.perf_counter(), time.time()
+        self._poll(blocking=True)
+        tmp_dir = self.root / f"{step_dir_name(step)}.tmp{self.generation}"
+        tensors, rank_state = state()
+        tmp_dir.mkdir(parents=True, exist_ok=True)
+        _save_durably(rank_state, tmp_dir / rank_state_file(self.rank))
+        self.writer.start(tensors, tmp_dir, self.group)
+        self.pending = _Pending(step, tmp_dir, started, time.perf_counter() - t0)
+        if self.writer.mode == "sync":
+            self._poll(blocking=True)
+
+    def finish(self) -> None:
+        """Block until the in-flight save (if any) is published."""
+        self._poll(blocking=True)
+
+    def abandon(self) -> None:
+        """After a fault: drop the in-flight save without publishing it."""
+        self.writer.abandon()
+        self.pending = None
+
+    def _poll(self, *, blocking: bool) -> None:
+        pending = self.pending
+        if pending is None:
+            return
+        try:
+            # A blocking wait is a loop of non-blocking polls (collectives that end on the same
+            # iteration everywhere) so the rank keeps its heartbeat while the write finishes.
+            while not self.writer.poll(blocking=False):
+                if not blocking:
+                    return
+                self.heartbeat()
+                time.sleep(0.05)
+        except CheckpointWriteError as e:
+            self._fail(pending, e)
+            return
+        self.pending = None
+        dist.barrier(group=self.group)  # every rank's checksums and rank 0's .metadata are on disk
+        if self.rank == 0:
+            try:
+                final = self._publish(pending)
+            except (CheckpointError, OSError) as e:
+                self._fail(pending, e)
+                return
+            self.events.emit(
+                "checkpoint",
+                step=pending.step,
+                mode=self.writer.mode,
+                blocking_s=pending.blocking_s,
+                total_s=time.time() - pending.started,
+                bytes=checkpoint_bytes(final),
+            )
+            if self.on_published is not None:
+                self.on_published(final)
+
+    def _fail(self, pending: _Pending, error: Exception) -> None:
+        # Not fatal: the save is retried at the next interval; nothing is published.
+        self.pending = None
+        if self.rank == 0:
+            self.events.emit("checkpoint_failed", step=pending.step, mode=self.writer.mode, error=str(error))
+            shutil.rmtree(pending.tmp_dir, ignore_errors=True)
+
+    def _publish(self, pending: _Pending) -> Path:
+        tmp = pending.tmp_dir
+        files: dict[str, dict] = {}
+        for rank in range(self.world_size):
+            path = tmp / f"checksums_rank{rank}.json"
+            if not path.is_file():
+                raise CheckpointError(f"rank {rank} did not finish its part of {tmp}")
+            files.update(json.loads(path.read_text()))
+        files[".metadata"] = {"size": (tmp / ".metadata").stat().st_size, "sha256": file_sha256(tmp / ".metadata")}
+        manifest = {"step": pending.step, "world_size": self.world_size, "fingerprint": self.fingerprint, "files": files}
+        atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
+        final = self.root / step_dir_name(pending.step)
+        if final.exists():  # a published one that failed verification at resume: keep it aside
+            final.rename(final.with_name(f"{final.name}.invalid{self.generation}"))
+        tmp.rename(final)
+        fsync_dir(self.root)
+        atomic_write_text(self.root / LATEST, final.name + "\n")
+        self._retain()
+        return final
+
+    def _retain(self) -> None:
+        for _, path in published_checkpoints(self.root)[: -self.keep_last]:
+            shutil.rmtree(path, ignore_errors=True)
+        for path in self.root.glob("step_*.invalid*"):
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _remove_stale_temp_dirs(self) -> None:
+        # Unpublished saves of dead generations can never be completed.
+        for path in self.root.glob("step_*.tmp*"):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _save_durably(obj: object, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def published_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """Published checkpoint directories as ``(step, path)``, oldest first."""
+    if not Path(root).is_dir():
+        return []
+    found = [(int(m[1]), p) for p in Path(root).iterdir() if (m := _PUBLISHED.match(p.name)) and p.is_dir()]
+    return sorted(found)
+
+
+def checkpoint_bytes(path: Path) -> int:
+    """Total size of a published checkpoint's files, from its manifest."""
+    manifest = json.loads((Path(path) / MANIFEST).read_text())
+    return sum(f["size"] for f in manifest["files"].values())
+
+
+def verify_checkpoint(path: Path, *, fingerprint: str | None = None, world_size: int | None = None, checksums: bool = True) -> dict:
+    """Check a published checkpoint against its manifest; returns the manifest.
+
+    Raises:
+        CheckpointError: naming the first problem (missing manifest or file, wrong size,
+            checksum mismatch, other config or world size).
+    """
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path.name}: unreadable manifest ({e})") from e
+    if fingerprint is not None and manifest.get("fingerprint") != fingerprint:
+        raise CheckpointError(f"{path.name}: written by another training config")
+    if world_size is not None and manifest.get("world_size") != world_size:
+        raise CheckpointError(f"{path.name}: written by world size {manifest.get('world_size')}, not {world_size}")
+    for name, rec in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{path.name}: missing {name}")
+        if file.stat().st_size != rec["size"]:
+            raise CheckpointError(f"{path.name}: {name} has {file.stat().st_size} bytes, expected {rec['size']}")
+        if checksums and file_sha256(file) != rec["sha256"]:
+            raise CheckpointError(f"{path.name}: {name} fails its checksum")
+    return manifest
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The directory ``checkpoints/latest`` points at (None when there is none)."""
+    pointer = Path(run_dir) / CHECKPOINTS / LATEST
+    if not pointer.is_file():
+        return None
+    return pointer.parent / pointer.read_text().strip()
+
+
+def read_full_state(path: Path) -> dict:
+    """A published checkpoint's tensors as one unsharded state dict, in a single process with
+    no process group (DCP reshards on load)."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        target = Path(tmp) / "full.pt"
+        dcp_to_torch_save(path, target)
+        return torch.load(target, weights_only=False)

@@ -1,0 +1,79 @@
+"""``rfsdp``: the command line of resilient-fsdp (see ``rfsdp --help``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from trainer.config import TrainConfig, add_train_arguments
+
+
+def _prepare_data(args: argparse.Namespace) -> int:
+    from trainer.data import BUILTIN_CORPUS, builtin_corpus_text, prepare_tokens
+
+    if args.source == BUILTIN_CORPUS:
+        text = builtin_corpus_text()
+    else:
+        source = Path(args.source)
+        files = sorted(p for p in source.rglob("*") if p.is_file()) if source.is_dir() else [source]
+        if not files or not all(p.exists() for p in files):
+            raise ValueError(f"--source: no corpus file at {args.source}")
+        text = "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
+    manifest = prepare_tokens(text, Path(args.out), shard_tokens=args.shard_tokens, source=args.source)
+    splits = ", ".join(f"{k}: {v['tokens']:,} tokens in {len(v['shards'])} shard(s)" for k, v in manifest["splits"].items())
+    print(f"prepared {args.out} ({splits}; tokenizer {manifest['tokenizer']})")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from trainer.launch import LaunchSpec, launch_local
+
+    spec = LaunchSpec(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts)
+    args.world_size = spec.world_size
+    cfg = TrainConfig.from_namespace(args)
+    code = launch_local(cfg, spec, progress=not args.quiet)
+    if code:
+        print(f"rfsdp train: the job failed (exit code {code}); logs in {Path(cfg.run_dir) / 'logs'}", file=sys.stderr)
+        return 1
+    from trainer.summary import print_run_summary
+
+    print_run_summary(Path(cfg.run_dir))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``rfsdp`` argument parser with every subcommand."""
+    parser = argparse.ArgumentParser(prog="rfsdp", description="Resilient FSDP training as a Kubeflow pipeline.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("prepare-data", help="tokenize a corpus into checksummed shards")
+    p.add_argument(
+        "--source", default="builtin:python-docs", help="corpus file or directory (default: the Python docs shipped with Python)"
+    )
+    p.add_argument("--out", required=True, help="output directory for shards + manifest.json")
+    p.add_argument("--shard-tokens", type=int, default=1 << 20, help="tokens per shard file")
+    p.set_defaults(func=_prepare_data)
+
+    p = sub.add_parser("train", help="run resilient FSDP training locally (ft_launcher per replica)")
+    add_train_arguments(p, include_world=False)
+    p.add_argument("--nnodes", type=int, default=1, help="replicas (nodes)")
+    p.add_argument("--nproc-per-node", type=int, default=2, help="worker processes per replica")
+    p.add_argument("--max-restarts", type=int, default=3, help="in-job restarts ft_launcher may do")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_train)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``rfsdp`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:  # bad input: one clear line, no traceback
+        print(f"rfsdp {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

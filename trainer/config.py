@@ -1,0 +1,189 @@
+"""The training configuration: one dataclass, one argparse definition, checked up front."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+from trainer.faults import parse_fault_spec
+from trainer.model import MODEL_SIZES, ModelSize
+
+CKPT_MODES = ("async", "sync")
+
+# Fields that define the training trajectory: resuming a run dir requires them to match.
+TRAJECTORY_FIELDS = (
+    "model", "seed", "steps", "batch_size", "lr", "warmup_steps", "min_lr_ratio",
+    "weight_decay", "grad_clip", "world_size",
+)  # fmt: skip
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """Everything one training run needs; the same object on every rank."""
+
+    data: str
+    """Prepared data directory (see ``rfsdp prepare-data``)."""
+    run_dir: str
+    """Run directory: events, checkpoints, fault markers."""
+    model: str = "tiny"
+    """Named model size (see ``trainer.model.MODEL_SIZES``)."""
+    steps: int = 60
+    """Total optimizer steps of the run (sets the LR schedule)."""
+    stop_at_step: int = 0
+    """Stop cleanly after this step (0: run to ``steps``); the run stays resumable."""
+    ckpt_every: int = 10
+    """Checkpoint interval in steps (the last step is always checkpointed)."""
+    ckpt_mode: str = "async"
+    """``async`` (NVRx background writer) or ``sync`` (blocking DCP save, the baseline)."""
+    keep_last: int = 3
+    """Published checkpoints kept by retention."""
+    seed: int = 0
+    """Seed for initialization (and anything random)."""
+    batch_size: int = 8
+    """Sequences per rank per step."""
+    lr: float = 3e-3
+    """Peak learning rate of AdamW."""
+    warmup_steps: int = 10
+    """Linear warmup steps before the cosine decay."""
+    min_lr_ratio: float = 0.1
+    """Final LR as a fraction of the peak."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Max global gradient norm."""
+    world_size: int = 2
+    """Total number of ranks (nnodes x nproc_per_node)."""
+    fault: str = ""
+    """Fault schedule ``KIND@STEP[:RANK],...``."""
+    inprocess_restart: bool = True
+    """Recover soft faults inside the running processes (NVRx ``inprocess.Wrapper``)."""
+    hang_timeout: float = 10.0
+    """Seconds without a heartbeat before a rank is declared hung (other timeouts derive)."""
+    checkpoint_uri: str = ""
+    """Optional remote location that durable checkpoints are mirrored to."""
+    faults: list = field(default_factory=list, repr=False)
+    """Parsed ``fault`` (derived)."""
+
+    def __post_init__(self) -> None:
+        if self.model not in MODEL_SIZES:
+            raise ValueError(f"--model: unknown model {self.model!r} (known: {', '.join(MODEL_SIZES)})")
+        for name in ("steps", "ckpt_every", "keep_last", "batch_size", "world_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.stop_at_step <= self.steps:
+            raise ValueError(f"--stop-at-step must be in 0..{self.steps}, got {self.stop_at_step}")
+        if self.ckpt_mode not in CKPT_MODES:
+            raise ValueError(f"--ckpt-mode must be one of {CKPT_MODES}, got {self.ckpt_mode!r}")
+        if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1 and self.warmup_steps >= 0 and self.grad_clip > 0):
+            raise ValueError("--lr, --warmup-steps, --min-lr-ratio and --grad-clip must be in range")
+        if self.hang_timeout < 5:
+            raise ValueError(f"--hang-timeout must be at least 5 s, got {self.hang_timeout}")
+        self.faults = parse_fault_spec(self.fault, steps=self.steps, world_size=self.world_size)
+
+    @property
+    def size(self) -> ModelSize:
+        """The model's shape."""
+        return MODEL_SIZES[self.model]
+
+    def to_dict(self) -> dict:
+        """Plain fields, without derived ones."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "faults"}
+
+    def trajectory_hash(self) -> str:
+        """Identity of the training trajectory (see ``TRAJECTORY_FIELDS``)."""
+        ident = {k: getattr(self, k) for k in TRAJECTORY_FIELDS}
+        return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_argv(self) -> list[str]:
+        """The command-line arguments that reproduce this config (for worker processes)."""
+        argv = []
+        for key, value in self.to_dict().items():
+            flag = "--" + key.replace("_", "-")
+            if isinstance(value, bool):
+                argv.append(flag if value else "--no-" + key.replace("_", "-"))
+            else:
+                argv += [flag, str(value)]
+        return argv
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> TrainConfig:
+        """Build from parsed arguments (extra namespace entries are ignored)."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"faults"}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names and v is not None})
+
+
+def add_train_arguments(parser: argparse.ArgumentParser, *, include_world: bool = True) -> None:
+    """Register every TrainConfig field as a ``--flag`` (help text from the field docstrings)."""
+    helps = _field_docs()
+    for f in dataclasses.fields(TrainConfig):
+        if f.name == "faults" or (f.name == "world_size" and not include_world):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if f.type == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helps.get(f.name))
+        else:
+            kind = {"int": int, "float": float}.get(f.type, str)
+            parser.add_argument(flag, type=kind, required=required, default=None if required else f.default, help=helps.get(f.name))
+
+
+def _field_docs() -> dict[str, str]:
+    """Field docstrings of TrainConfig, read from its source."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(TrainConfig))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = nxt.value.value
+    return docs
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Every resilience timeout, derived from one knob so that their order always holds.
+
+    collective (in-process only) < in-process recovery < wrapper soft < heartbeat < wrapper hard
+    < barrier. A rank blocked in a gloo collective can only be interrupted by gloo's own timeout,
+    so with in-process restart the collective timeout must sit below the wrapper's soft timeout;
+    the rank monitor counts in-process recovery as missing heartbeats, so the heartbeat timeout
+    must exceed it.
+    """
+
+    hang: float
+    inprocess: bool
+
+    @property
+    def collective(self) -> float:
+        """Training collectives (gloo/NCCL process-group timeout)."""
+        return 0.3 * self.hang if self.inprocess else 6 * self.hang
+
+    @property
+    def soft(self) -> float:
+        """Wrapper soft timeout: a rank without progress is interrupted."""
+        return 0.8 * self.hang
+
+    @property
+    def heartbeat(self) -> float:
+        """ft_launcher's rank heartbeat timeout: no heartbeat for this long is a hang."""
+        return self.hang
+
+    @property
+    def hard(self) -> float:
+        """Wrapper hard timeout: an unresponsive rank is killed (in-job restart takes over)."""
+        return 1.6 * self.hang
+
+    @property
+    def barrier(self) -> float:
+        """Store barriers, rendezvous and checkpoint collectives (checksumming is slow)."""
+        return 6 * self.hang
+
+    @property
+    def initial_heartbeat(self) -> float:
+        """First heartbeat after a (re)start: covers imports, model build and resume."""
+        return 12 * self.hang

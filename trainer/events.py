@@ -1,0 +1,76 @@
+"""``RUN_DIR/events.jsonl``: the append-only record every other part reads (design.md section 3).
+
+Each line is one JSON object with ``event``, ``time`` (unix seconds) and ``rank``. Lines are
+written with a single ``O_APPEND`` write so that several processes can share the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+EVENTS_FILE = "events.jsonl"
+
+
+class EventLog:
+    """Appends events of one rank to a run directory's ``events.jsonl``."""
+
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        self.path = Path(run_dir) / EVENTS_FILE
+        self.rank = rank
+
+    def emit(self, event: str, **fields: object) -> dict:
+        """Append one event and return it."""
+        record = {"event": event, "time": time.time(), "rank": self.rank, **fields}
+        line = (json.dumps(record) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+        return record
+
+
+def read_events(run_dir: Path) -> list[dict]:
+    """All events of a run, in file order (a torn last line from a killed writer is skipped)."""
+    return list(iter_events(Path(run_dir) / EVENTS_FILE))
+
+
+def iter_events(path: Path) -> Iterator[dict]:
+    """Events from an events file, skipping a torn trailing line."""
+    if not path.exists():
+        return
+    with open(path) as f:
+        for line in f:
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+
+def final_losses(events: list[dict]) -> dict[int, float]:
+    """Each step's final loss: the last ``step`` line for it wins (re-executed steps re-log)."""
+    return {e["step"]: e["loss"] for e in events if e["event"] == "step"}
+
+
+def describe_restart(prior: list[dict], *, layer: str, resumed_from: int, first_step_time: float) -> dict:
+    """Fields of the ``restart`` event for a recovery, from the events written before it.
+
+    ``recovery_s`` runs from the fault (its ``fault`` event; for a fault that was not injected,
+    the last step completed before it) to the first step completed after it. ``lost_steps`` are
+    the steps done since ``resumed_from`` that must be redone.
+    """
+    since = max((e["time"] for e in prior if e["event"] in ("restart", "run_start")), default=0.0)
+    faults = [e["time"] for e in prior if e["event"] == "fault" and e["time"] >= since]
+    steps = [e for e in prior if e["event"] == "step"]
+    fault_time = faults[-1] if faults else max((e["time"] for e in steps), default=first_step_time)
+    return {
+        "layer": layer,
+        "attempt": 1 + sum(e["event"] == "restart" for e in prior),
+        "resumed_from_step": resumed_from,
+        "lost_steps": max(0, max((e["step"] for e in steps), default=resumed_from) - resumed_from),
+        "recovery_s": first_step_time - fault_time,
+    }

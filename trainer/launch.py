@@ -1,0 +1,204 @@
+"""The launch contract: one worker command (ft_launcher + trainer args) for every backend.
+
+On a cluster the training operator starts that command in each PyTorchJob pod and injects the
+``PET_*`` rendezvous environment. ``launch_local`` runs the same command as local processes, one
+ft_launcher per replica, with exactly the environment the operator would inject, so a local run
+exercises the cluster's launch contract (multi-node rendezvous included).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.config import TRAJECTORY_FIELDS, Timeouts, TrainConfig
+from trainer.data import DataError, load_manifest, verify_shards
+from trainer.events import EVENTS_FILE, EventLog
+
+RUN_CONFIG = "config.json"
+DEFAULT_RDZV_PORT = 29400
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchSpec:
+    """How many replicas (nodes) and processes, and the in-job restart budget."""
+
+    nnodes: int = 1
+    nproc_per_node: int = 2
+    max_restarts: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("nnodes", "nproc_per_node"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+
+    @property
+    def world_size(self) -> int:
+        """Total ranks."""
+        return self.nnodes * self.nproc_per_node
+
+
+def worker_command(cfg: TrainConfig, ft_launcher: str = "ft_launcher") -> list[str]:
+    """The command every replica runs: ft_launcher (rendezvous from ``PET_*``) + the trainer."""
+    t = Timeouts(cfg.hang_timeout, cfg.inprocess_restart)
+    return [
+        ft_launcher,
+        "--ft-restart-policy", "any-failed",
+        "--ft-initial-rank-heartbeat-timeout", f"{t.initial_heartbeat:g}",
+        "--ft-rank-heartbeat-timeout", f"{t.heartbeat:g}",
+        "--ft-enable-nic-monitor", "false",
+        "--monitor-interval", "0.5",
+        "-m", "trainer.train", *cfg.to_argv(),
+    ]  # fmt: skip
+
+
+def operator_env(spec: LaunchSpec, *, rdzv_endpoint: str, job_id: str) -> dict[str, str]:
+    """The rendezvous environment the training operator injects into every Worker pod of a
+    PyTorchJob with an ``elasticPolicy`` (see the field notes' PyTorchJob contract).
+    """
+    return {
+        "PYTHONUNBUFFERED": "1",
+        "PET_NNODES": f"{spec.nnodes}:{spec.nnodes}",
+        "PET_NPROC_PER_NODE": str(spec.nproc_per_node),
+        "PET_RDZV_ENDPOINT": rdzv_endpoint,
+        "PET_RDZV_BACKEND": "c10d",
+        "PET_RDZV_ID": job_id,
+        "PET_MAX_RESTARTS": str(spec.max_restarts),
+    }
+
+
+def check_launch(cfg: TrainConfig, spec: LaunchSpec, *, verify_data: bool = True) -> None:
+    """Everything that can be refused before a process starts; raises ValueError naming it."""
+    if cfg.world_size != spec.world_size:
+        raise ValueError(f"--world-size {cfg.world_size} does not match nnodes x nproc-per-node = {spec.world_size}")
+    cpus = os.cpu_count() or 1
+    if spec.nproc_per_node > max(cpus, 2):
+        raise ValueError(f"--nproc-per-node {spec.nproc_per_node} does not fit this machine ({cpus} CPUs)")
+    try:
+        manifest = load_manifest(Path(cfg.data))
+        if verify_data:
+            verify_shards(Path(cfg.data), manifest)
+    except DataError as e:
+        raise ValueError(f"--data: {e}") from e
+    check_run_dir(cfg)
+
+
+def check_run_dir(cfg: TrainConfig) -> None:
+    """Refuse a run dir that holds another trajectory's config (and its checkpoints)."""
+    path = Path(cfg.run_dir) / RUN_CONFIG
+    if not path.exists():
+        return
+    saved = json.loads(path.read_text())
+    differ = [k for k in TRAJECTORY_FIELDS if saved.get(k) != getattr(cfg, k)]
+    if differ:
+        detail = ", ".join(f"{k}: {saved.get(k)!r} there, {getattr(cfg, k)!r} now" for k in differ)
+        raise ValueError(f"--run-dir {cfg.run_dir} belongs to another training config ({detail})")
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_local(cfg: TrainConfig, spec: LaunchSpec, *, progress: bool = True, log_dir: Path | None = None) -> int:
+    """Run the job as local processes (one ft_launcher per replica) and wait for it.
+
+    Returns the job's exit code (0: every replica succeeded). The replicas' output goes to
+    ``RUN_DIR/logs/replica_<i>.log``; a failed job gets a ``run_end`` event with status failed.
+    """
+    check_launch(cfg, spec)
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not (run_dir / RUN_CONFIG).exists():
+        (run_dir / RUN_CONFIG).write_text(json.dumps({k: getattr(cfg, k) for k in TRAJECTORY_FIELDS}, indent=2))
+    log_dir = Path(log_dir or run_dir / "logs")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        **operator_env(spec, rdzv_endpoint=f"127.0.0.1:{free_port()}", job_id=f"rfsdp-{os.getpid()}"),
+        "RFSDP_PORT_BASE": str(free_port()),
+    }
+    procs = []
+    for node in range(spec.nnodes):
+        log = open(log_dir / f"replica_{node}.log", "ab")  # noqa: SIM115 (closed below)
+        proc = subprocess.Popen(
+            worker_command(cfg, str(Path(sys.executable).parent / "ft_launcher")),
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        procs.append((proc, log))
+    try:
+        _wait_with_progress(cfg, [p for p, _ in procs], show=progress)
+    except KeyboardInterrupt:
+        for proc, _ in procs:
+            _terminate(proc)
+        raise
+    finally:
+        for _, log in procs:
+            log.close()
+    code = next((p.returncode for p, _ in procs if p.returncode), 0)
+    if code:
+        EventLog(run_dir, rank=-1).emit("run_end", status="failed", exit_code=code)
+    return code
+
+
+def _terminate(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=20)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        os.killpg(proc.pid, 9)
+
+
+def _wait_with_progress(cfg: TrainConfig, procs: list[subprocess.Popen], *, show: bool) -> None:
+    """Wait for the replicas; while they run, show step, loss, tokens/s and restarts."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    events_path = Path(cfg.run_dir) / EVENTS_FILE
+    seen = events_path.stat().st_size if events_path.exists() else 0
+    total = cfg.stop_at_step or cfg.steps
+    columns = [
+        TextColumn("train"),
+        BarColumn(),
+        TextColumn("step {task.completed}/{task.total}"),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+    ]
+    with Progress(*columns, disable=not show, transient=False) as bar:
+        task = bar.add_task("train", total=total, info="")
+        restarts = 0
+        while any(p.poll() is None for p in procs):
+            time.sleep(0.5)
+            if events_path.exists() and events_path.stat().st_size > seen:
+                with open(events_path) as f:
+                    f.seek(seen)
+                    chunk = f.read()
+                complete = chunk[: chunk.rfind("\n") + 1]
+                seen += len(complete.encode())
+                for e in iter_lines(complete):
+                    if e["event"] == "step":
+                        tps = e.get("tokens", 0) / max(e["step_time_s"], 1e-9)
+                        bar.update(task, completed=e["step"], info=f"loss {e['loss']:.4f}  {tps:,.0f} tok/s  restarts {restarts}")
+                    elif e["event"] == "restart":
+                        restarts += 1
+            if any(p.returncode for p in procs if p.poll() is not None):
+                for p in procs:  # one replica failed for good: the job has failed
+                    if p.poll() is None:
+                        _terminate(p)
+
+
+def iter_lines(text: str) -> list[dict]:
+    """Parse complete JSON lines."""
+    return [json.loads(line) for line in text.splitlines() if line.strip()]

@@ -1,0 +1,89 @@
+"""A small decoder-only transformer (GPT-style) with named sizes."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSize:
+    """Shape of one named model size."""
+
+    dim: int
+    layers: int
+    heads: int
+    seq_len: int
+    vocab_size: int = 256  # the byte-level tokenizer's vocabulary
+
+
+MODEL_SIZES: dict[str, ModelSize] = {
+    "tiny": ModelSize(dim=64, layers=2, heads=4, seq_len=64),  # ~0.1M params: tests
+    "small": ModelSize(dim=256, layers=4, heads=8, seq_len=128),  # ~3M: demo
+    "base": ModelSize(dim=768, layers=12, heads=12, seq_len=256),  # ~85M
+    "large": ModelSize(dim=1024, layers=24, heads=16, seq_len=512),  # ~300M
+    "1b": ModelSize(dim=2048, layers=18, heads=16, seq_len=1024),  # ~0.9B: GPUs
+}
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention then an MLP."""
+
+    def __init__(self, size: ModelSize) -> None:
+        super().__init__()
+        self.heads = size.heads
+        self.attn_norm = nn.LayerNorm(size.dim)
+        self.qkv = nn.Linear(size.dim, 3 * size.dim, bias=False)
+        self.proj = nn.Linear(size.dim, size.dim, bias=False)
+        self.mlp_norm = nn.LayerNorm(size.dim)
+        self.up = nn.Linear(size.dim, 4 * size.dim, bias=False)
+        self.down = nn.Linear(4 * size.dim, size.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply attention and MLP with residual connections."""
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
+        return x + self.down(F.gelu(self.up(self.mlp_norm(x))))
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model over byte tokens."""
+
+    def __init__(self, size: ModelSize) -> None:
+        super().__init__()
+        self.size = size
+        self.embed = nn.Embedding(size.vocab_size, size.dim)
+        self.pos = nn.Embedding(size.seq_len, size.dim)
+        self.blocks = nn.ModuleList(Block(size) for _ in range(size.layers))
+        self.norm = nn.LayerNorm(size.dim)
+        self.head = nn.Linear(size.dim, size.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 style init; residual projections scaled down by depth."""
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                continue
+            std = 0.02 / math.sqrt(2 * self.size.layers) if name.endswith(("proj.weight", "down.weight")) else 0.02
+            nn.init.normal_(p, mean=0.0, std=std)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Returns the mean next-token cross-entropy loss."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.embed(tokens) + self.pos(positions)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def parameter_count(size: ModelSize) -> int:
+    """Number of parameters of a model of this size (without building it)."""
+    per_block = 12 * size.dim * size.dim + 4 * size.dim
+    return size.layers * per_block + (2 * size.vocab_size + size.seq_len) * size.dim + 2 * size.dim

@@ -1,0 +1,87 @@
+"""The one place that chooses the device, backend and precision, and builds the FSDP model.
+
+CPU: gloo, fp32, one intra-op thread per rank (bitwise determinism). CUDA: NCCL and bf16 mixed
+precision with fp32 reduction.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from trainer.model import ModelSize, Transformer
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    """Where and how this rank computes."""
+
+    device: torch.device
+    backend: str
+    rank: int
+    local_rank: int
+    world_size: int
+
+    @property
+    def is_cuda(self) -> bool:
+        """True on a GPU rank."""
+        return self.device.type == "cuda"
+
+
+def detect_runtime() -> Runtime:
+    """Read the launcher's environment and pick CUDA+NCCL when a GPU is present, else CPU+gloo."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    return Runtime(device, backend, int(os.environ["RANK"]), local_rank, int(os.environ["WORLD_SIZE"]))
+
+
+def init_process_group(rt: Runtime, store: dist.Store | None, timeout_s: float) -> None:
+    """Create the default process group (on ``store`` when given, else from the environment)."""
+    kwargs = {"store": store, "rank": rt.rank, "world_size": rt.world_size} if store is not None else {}
+    dist.init_process_group(rt.backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed every generator the trainer touches."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_fsdp_model(size: ModelSize, rt: Runtime, seed: int) -> Transformer:
+    """The model, identically initialized on every rank, sharded with FSDP2 per block + root."""
+    seed_everything(seed)
+    model = Transformer(size).to(rt.device)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if rt.is_cuda else MixedPrecisionPolicy()
+    for block in model.blocks:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def rng_state() -> dict:
+    """This rank's random generator states (for the checkpoint)."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` returned."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

@@ -1,0 +1,151 @@
+"""The training entry point, run on every rank by ft_launcher (or torchrun).
+
+Example::
+
+    ft_launcher --nproc-per-node 2 -m trainer.train --data DATA --run-dir RUN [--fault exception@20:1]
+
+``rfsdp train`` builds that command for you (see ``trainer.launch``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from trainer.checkpoint import Checkpointer, CheckpointWriter, SyncDcpWriter, rank_state_file
+from trainer.config import Timeouts, TrainConfig, add_train_arguments
+from trainer.data import TokenLoader, load_split
+from trainer.events import EventLog, describe_restart, read_events
+from trainer.faults import FaultInjector
+from trainer.resilience import AsyncCheckpointWriter, Attempt, RankMonitor, make_store, run_restartable
+from trainer.runtime import build_fsdp_model, detect_runtime, init_process_group, rng_state, set_rng_state
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warmup to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at the last step."""
+    if step <= cfg.warmup_steps:
+        return cfg.lr * step / max(1, cfg.warmup_steps)
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    cosine = 0.5 * (1 + torch.cos(torch.tensor(progress * torch.pi)).item())
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+
+
+class TrainState:
+    """What a checkpoint holds: sharded model + optimizer, and each rank's loader, RNG, counters."""
+
+    def __init__(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: TokenLoader, monitor: RankMonitor, group: dist.ProcessGroup
+    ) -> None:
+        self.model, self.optimizer, self.loader, self.monitor, self.group = model, optimizer, loader, monitor, group
+
+    def snapshot(self, step: int) -> tuple[dict, dict]:
+        """(tensor state for DCP, this rank's small state)."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        rank_state = {"step": step, "loader": self.loader.state_dict(), "rng": rng_state(), "rank_monitor": self.monitor.state_dict()}
+        return {"model": model_sd, "optim": optim_sd}, rank_state
+
+    def load(self, path: Path) -> None:
+        """Restore everything from a published checkpoint directory."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        tensors = {"model": model_sd, "optim": optim_sd}
+        dcp.load(tensors, checkpoint_id=path, process_group=self.group)
+        set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"])
+        rank_state = torch.load(path / rank_state_file(dist.get_rank()), weights_only=False)
+        self.loader.load_state_dict(rank_state["loader"])
+        set_rng_state(rank_state["rng"])
+        self.monitor.load_state_dict(rank_state["rank_monitor"])
+
+
+def train_step(state: TrainState, lr: float, grad_clip: float, device: torch.device) -> float:
+    """One optimizer step; returns the loss averaged over all ranks (exact float)."""
+    inputs, targets = state.loader.next_batch()
+    for group in state.optimizer.param_groups:
+        group["lr"] = lr
+    loss = state.model(inputs.to(device), targets.to(device))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(state.model.parameters(), grad_clip)
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    total = loss.detach().float().clone()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
+
+
+def train(cfg: TrainConfig, writer: CheckpointWriter, attempt: Attempt) -> None:
+    """One incarnation of the training function: set up, resume, loop, finish."""
+    rt = detect_runtime()
+    timeouts = Timeouts(cfg.hang_timeout, cfg.inprocess_restart)
+    init_process_group(rt, make_store(attempt, timeouts.barrier), timeouts.collective)
+    # Checkpoint collectives get their own gloo group (and a longer timeout): they must never
+    # interleave with FSDP's.
+    ckpt_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeouts.barrier))
+    run_dir = Path(cfg.run_dir)
+    events = EventLog(run_dir, rt.rank)
+    layer = "in_process" if attempt.in_process_iteration else "in_job" if attempt.in_job_restart else None
+    prior = read_events(run_dir) if layer and rt.rank == 0 else []
+
+    monitor = RankMonitor()
+    model = build_fsdp_model(cfg.size, rt, cfg.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    loader = TokenLoader(load_split(Path(cfg.data), "train"), cfg.size.seq_len, cfg.batch_size, rt.rank, rt.world_size)
+    state = TrainState(model, optimizer, loader, monitor, ckpt_group)
+    checkpointer = Checkpointer(
+        run_dir, writer=writer, group=ckpt_group, events=events, every=cfg.ckpt_every,
+        keep_last=cfg.keep_last, fingerprint=cfg.trajectory_hash(), heartbeat=monitor.heartbeat,
+    )  # fmt: skip
+    faults = FaultInjector(cfg.faults, run_dir, rt.rank, events)
+    start = checkpointer.load_latest(state.load)
+    if rt.rank == 0 and layer is None:
+        events.emit("run_start", config=cfg.to_dict(), resumed_from_step=start, world_size=rt.world_size)
+
+    last = cfg.stop_at_step or cfg.steps
+    tokens_per_step = cfg.batch_size * cfg.size.seq_len * rt.world_size
+    try:
+        for step in range(start + 1, last + 1):
+            faults.maybe_fire(step)
+            t0 = time.perf_counter()
+            loss = train_step(state, lr_at(cfg, step), cfg.grad_clip, rt.device)
+            step_time = time.perf_counter() - t0
+            monitor.heartbeat()
+            attempt.ping()
+            if rt.rank == 0:
+                done = events.emit("step", step=step, loss=loss, step_time_s=step_time, tokens=tokens_per_step)
+                if layer and step == start + 1:
+                    events.emit("restart", **describe_restart(prior, layer=layer, resumed_from=start, first_step_time=done["time"]))
+            with attempt.atomic():
+                checkpointer.step(step, partial(state.snapshot, step), last=step == last)
+    except BaseException:
+        checkpointer.abandon()  # unpublished: the next incarnation resumes from the last durable one
+        raise
+    if rt.rank == 0:
+        events.emit("run_end", status="completed" if last == cfg.steps else "stopped", step=last)
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the config and train, inside the in-process restart wrapper when enabled."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_train_arguments(parser)
+    cfg = TrainConfig.from_namespace(parser.parse_args(argv))
+    cuda = torch.cuda.is_available()
+    # One writer per process: its background worker survives in-process restarts.
+    writer = AsyncCheckpointWriter(cuda=cuda) if cfg.ckpt_mode == "async" else SyncDcpWriter()
+    try:
+        if cfg.inprocess_restart:
+            run_restartable(partial(train, cfg, writer), Timeouts(cfg.hang_timeout, True), cuda=cuda)
+        else:
+            train(cfg, writer, Attempt())
+    finally:
+        writer.close()
+
+
+if __name__ == "__main__":  # required: NVRx's checkpoint worker is started with spawn
+    main()
