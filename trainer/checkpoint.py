@@ -340,7 +340,8 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def read_full_state(path: Path) -> dict:
     """A published checkpoint's tensors as one unsharded state dict, in a single process with
-    no process group (DCP reshards on load)."""
+    no process group (DCP reshards on load).
+    """
     import tempfile
 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save

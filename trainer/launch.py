@@ -79,6 +79,11 @@ def check_launch(cfg: TrainConfig, spec: LaunchSpec, *, verify_data: bool = True
     """Everything that can be refused before a process starts; raises ValueError naming it."""
     if cfg.world_size != spec.world_size:
         raise ValueError(f"--world-size {cfg.world_size} does not match nnodes x nproc-per-node = {spec.world_size}")
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus and spec.nproc_per_node > gpus:
+        raise ValueError(f"--nproc-per-node {spec.nproc_per_node} does not fit this machine ({gpus} GPUs)")
     cpus = os.cpu_count() or 1
     if spec.nproc_per_node > max(cpus, 2):
         raise ValueError(f"--nproc-per-node {spec.nproc_per_node} does not fit this machine ({cpus} CPUs)")

@@ -86,6 +86,8 @@ class AsyncCheckpointWriter:
     def __init__(self, *, cuda: bool) -> None:
         self.cuda = cuda
         self.queue: AsyncCallsQueue = AsyncCallsQueue(persistent=True) if cuda else _GlooAsyncCallsQueue()
+        if self.queue.persistent_caller is None:
+            self.queue.persistent_caller = PersistentAsyncCaller()
         self._staging: dict | None = None
         self._fs_writer: FileSystemWriterAsync | None = None
         # Start the worker (a spawned interpreter: seconds) and the results queue now, so the

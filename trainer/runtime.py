@@ -38,6 +38,7 @@ def detect_runtime() -> Runtime:
     """Read the launcher's environment and pick CUDA+NCCL when a GPU is present, else CPU+gloo."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
         torch.cuda.set_device(local_rank)
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
