@@ -42,6 +42,39 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _log_mlflow(args: argparse.Namespace) -> int:
+    import json
+
+    from trainer.tracking import TrackingError, log_run
+
+    tags = {}
+    for item in args.tag:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--tag: expected KEY=VALUE, got {item!r}")
+        tags[name] = value
+    validation = None
+    if args.validation:
+        try:
+            validation = json.loads(Path(args.validation).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"--validation: cannot read a JSON report from {args.validation} ({e})") from e
+    try:
+        run_id = log_run(
+            Path(args.run_dir),
+            tracking_uri=args.tracking_uri,
+            experiment=args.experiment,
+            tags=tags,
+            validation=validation,
+            retries=args.retries,
+        )
+    except TrackingError as e:
+        print(f"rfsdp log-mlflow: error: {e}", file=sys.stderr)
+        return 1
+    print(run_id)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``rfsdp`` argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="rfsdp", description="Resilient FSDP training as a Kubeflow pipeline.")
@@ -62,6 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=3, help="in-job restarts ft_launcher may do")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_train)
+
+    p = sub.add_parser("log-mlflow", help="log a run dir to MLflow (one run per run dir, idempotent); prints the run id")
+    p.add_argument("--run-dir", required=True, help="run directory with events.jsonl")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else sqlite in work/mlflow/)")
+    p.add_argument("--experiment", default="resilient-fsdp", help="MLflow experiment name")
+    p.add_argument("--validation", help="JSON file with the `rfsdp validate` verdict, logged as an artifact")
+    p.add_argument("--tag", action="append", default=[], help="extra run tag KEY=VALUE (repeatable)")
+    p.add_argument("--retries", type=int, default=5, help="attempts to reach a tracking server (exponential backoff from 1 s)")
+    p.set_defaults(func=_log_mlflow)
     return parser
 
 

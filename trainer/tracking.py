@@ -338,7 +338,11 @@ def log_run(
     fingerprint = hashlib.sha256(events_path.read_bytes() + json.dumps(validation, sort_keys=True).encode()).hexdigest()[:32]
     events = read_events(run_dir)
     uri = resolve_tracking_uri(tracking_uri)
-    wait_for_server(uri, retries=retries, backoff_s=backoff_s)
+    again = f"The events stay unchanged in {events_path}: run `rfsdp log-mlflow --run-dir {run_dir}` again later."
+    try:
+        wait_for_server(uri, retries=retries, backoff_s=backoff_s)
+    except TrackingError as e:
+        raise TrackingError(f"{e}. {again}") from None
 
     from mlflow.exceptions import MlflowException
     from requests.exceptions import RequestException
@@ -346,10 +350,7 @@ def log_run(
     try:
         return _log(run_dir, events_path, events, uri, experiment, key, fingerprint, tags or {}, validation)
     except (MlflowException, RequestException, OSError) as e:
-        raise TrackingError(
-            f"logging {run_dir} to MLflow at {uri} failed: {e}. Its events are unchanged in {events_path}; "
-            f"run `rfsdp log-mlflow --run-dir {run_dir}` again to finish."
-        ) from e
+        raise TrackingError(f"logging {run_dir} to MLflow at {uri} failed: {e}. {again}") from e
 
 
 def _log(
