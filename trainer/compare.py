@@ -1,0 +1,147 @@
+"""Compare the runs of an MLflow experiment: the logic behind ``notebooks/compare_experiments.ipynb``.
+
+Each run's ``events.jsonl`` is read back from MLflow's artifacts and summarized with
+:func:`trainer.tracking.summarize`, the same function that computed the logged summary metrics.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from trainer.events import EVENTS_FILE, read_events
+from trainer.tracking import (
+    DEFAULT_EXPERIMENT,
+    RUN_KEY_TAG,
+    checkpoint_table,
+    resolve_tracking_uri,
+    summarize,
+    wait_for_server,
+)
+
+
+@dataclass
+class RunRecord:
+    """One logged run: its MLflow identity, params, events and summary."""
+
+    run_id: str
+    name: str
+    params: dict[str, str]
+    events: list[dict]
+    summary: dict[str, float | int | None]
+
+    @property
+    def label(self) -> str:
+        """A short label: the run name (the run dir's name)."""
+        return self.name
+
+    @property
+    def start(self) -> float:
+        """Unix time of the run's first event (the origin of its timeline)."""
+        return self.events[0]["time"]
+
+
+def load_runs(experiment: str = DEFAULT_EXPERIMENT, tracking_uri: str | None = None) -> list[RunRecord]:
+    """Every active run that ``trainer.tracking.log_run`` logged into ``experiment``, oldest first.
+
+    Args:
+        experiment: MLflow experiment name.
+        tracking_uri: tracking URI; empty or ``None`` resolves like ``log_run`` does.
+
+    Raises:
+        ValueError: no such experiment at that tracking URI.
+    """
+    from mlflow import MlflowClient
+
+    uri = resolve_tracking_uri(tracking_uri or None)
+    wait_for_server(uri)
+    client = MlflowClient(tracking_uri=uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None or found.lifecycle_stage == "deleted":
+        raise ValueError(f"experiment: no MLflow experiment named {experiment!r} at {uri}")
+    runs = client.search_runs([found.experiment_id], order_by=["attributes.start_time ASC"])
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for run in runs:
+            if RUN_KEY_TAG not in run.data.tags:
+                continue  # not a run-dir run (e.g. logged by hand): nothing to compare
+            dst = Path(tmp) / run.info.run_id
+            dst.mkdir()
+            client.download_artifacts(run.info.run_id, EVENTS_FILE, str(dst))
+            events = read_events(dst)
+            records.append(RunRecord(run.info.run_id, run.info.run_name, dict(run.data.params), events, summarize(events)))
+    return records
+
+
+def comparison_table(runs: list[RunRecord]) -> pd.DataFrame:
+    """Side-by-side figures: one row per run (definitions in ``trainer.tracking.summarize``)."""
+    rows = []
+    for r in runs:
+        s = r.summary
+        rows.append(
+            {
+                "run": r.label,
+                "mode": r.params.get("ckpt_mode"),
+                "faults": r.params.get("fault"),
+                "restarts in-process": s["restarts_in_process"],
+                "restarts in-job": s["restarts_in_job"],
+                "recovery mean s": s["recovery_s_mean"],
+                "recovery max s": s["recovery_s_max"],
+                "lost steps": s["lost_steps"],
+                "ckpt blocking p50 s": s["ckpt_blocking_s_p50"],
+                "ckpt blocking max s": s["ckpt_blocking_s_max"],
+                "ckpt overhead": s["ckpt_overhead"],
+                "goodput": s["goodput"],
+                "wall s": s["wall_time_s"],
+                "final loss": s["final_loss"],
+            }
+        )
+    return pd.DataFrame(rows).set_index("run")
+
+
+@dataclass
+class Timeline:
+    """A run's history on its own clock (seconds since its first event)."""
+
+    steps: pd.DataFrame
+    """Every ``step`` line (re-executed steps included): ``t``, ``step``, ``loss``."""
+    faults: pd.DataFrame
+    """Injected faults: ``t``, ``step``, ``kind``, ``rank``."""
+    restarts: pd.DataFrame
+    """Recoveries: ``t`` (first step after it), ``layer``, ``resumed_from_step``, ``recovery_s``."""
+    checkpoints: pd.DataFrame
+    """Published checkpoints: ``t_start``, ``t_end`` (published), ``step``, ``blocking_s``."""
+
+
+def timeline(run: RunRecord) -> Timeline:
+    """Step vs wall time of a run, with its faults, restarts and checkpoints."""
+    t0 = run.start
+
+    def frame(kind: str, columns: list[str]) -> pd.DataFrame:
+        rows = [{"t": e["time"] - t0, **{c: e[c] for c in columns}} for e in run.events if e["event"] == kind]
+        return pd.DataFrame(rows, columns=["t", *columns])
+
+    ckpts = frame("checkpoint", ["step", "blocking_s", "total_s"])
+    return Timeline(
+        steps=frame("step", ["step", "loss"]),
+        faults=frame("fault", ["step", "kind", "rank"]),
+        restarts=frame("restart", ["layer", "resumed_from_step", "recovery_s"]),
+        checkpoints=pd.DataFrame(
+            {"t_start": ckpts["t"] - ckpts["total_s"], "t_end": ckpts["t"], "step": ckpts["step"], "blocking_s": ckpts["blocking_s"]}
+        ),
+    )
+
+
+def checkpoint_blocking(runs: list[RunRecord]) -> pd.DataFrame:
+    """Every published checkpoint of every run: ``run``, ``mode``, ``step``, ``blocking_s``, ``total_s``."""
+    frames = [pd.DataFrame(checkpoint_table(r.events)).assign(run=r.label) for r in runs]
+    columns = ["run", "mode", "step", "blocking_s", "total_s"]
+    return pd.concat(frames, ignore_index=True)[columns] if frames else pd.DataFrame(columns=columns)
+
+
+def goodput(runs: list[RunRecord]) -> pd.Series:
+    """Goodput per run (``trainer.tracking.summarize``'s definition)."""
+    return pd.Series({r.label: r.summary["goodput"] for r in runs}, name="goodput")
