@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,3 +49,45 @@ def baseline_60(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     run = tmp_path_factory.mktemp("baseline") / "run"
     train(data_dir, run, "--steps", "60")
     return run
+
+
+S3_SECRET = "rfsdp-test-secret-never-logged"
+_BUCKETS = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real S3-compatible server (moto's server mode) on a free loopback port for the session;
+    yields its endpoint URL. The process environment (inherited by `rfsdp` subprocesses) points
+    boto3 at it with test credentials and no AWS config files.
+    """
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    none = str(tmp_path_factory.mktemp("aws") / "none")
+    env = {
+        "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "rfsdp-test-key", "AWS_SECRET_ACCESS_KEY": S3_SECRET,
+        "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": none, "AWS_SHARED_CREDENTIALS_FILE": none,
+    }  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        mp.delenv("AWS_PROFILE", raising=False)
+        yield endpoint
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server: str, request: pytest.FixtureRequest) -> str:
+    """A fresh bucket on the test S3 server, as ``s3://name``."""
+    import re
+
+    import boto3
+
+    name = f"b{next(_BUCKETS)}-" + re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:50].strip("-")
+    boto3.client("s3").create_bucket(Bucket=name)
+    return f"s3://{name}"
+

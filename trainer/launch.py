@@ -20,6 +20,7 @@ from pathlib import Path
 from trainer.config import TRAJECTORY_FIELDS, Timeouts, TrainConfig
 from trainer.data import DataError, load_manifest, verify_shards
 from trainer.events import EVENTS_FILE, EventLog
+from trainer.storage import StorageError, local_data, open_storage
 
 RUN_CONFIG = "config.json"
 DEFAULT_RDZV_PORT = 29400
@@ -88,11 +89,17 @@ def check_launch(cfg: TrainConfig, spec: LaunchSpec, *, verify_data: bool = True
     if spec.nproc_per_node > max(cpus, 2):
         raise ValueError(f"--nproc-per-node {spec.nproc_per_node} does not fit this machine ({cpus} CPUs)")
     try:
-        manifest = load_manifest(Path(cfg.data))
+        data = local_data(cfg.data, Path(cfg.run_dir))  # an s3:// data set is fetched (verified) into the run dir's cache
+        manifest = load_manifest(data)
         if verify_data:
-            verify_shards(Path(cfg.data), manifest)
-    except DataError as e:
+            verify_shards(data, manifest)
+    except (DataError, StorageError) as e:
         raise ValueError(f"--data: {e}") from e
+    if cfg.checkpoint_uri:
+        try:
+            open_storage(cfg.checkpoint_uri).check()
+        except StorageError as e:
+            raise ValueError(f"--checkpoint-uri: {e}") from e
     check_run_dir(cfg)
 
 
