@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -86,6 +87,39 @@ def _log_mlflow(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pipeline(args: argparse.Namespace) -> int:
+    import json
+
+    import yaml
+
+    from pipelines import resilient_fsdp as pl
+
+    if args.action == "compile":
+        print(f"compiled {pl.compile_pipeline(Path(args.out))}")
+        return 0
+    overrides = pl.parse_assignments(args.set)
+    if args.action == "manifest":
+        print(yaml.safe_dump(pl.pytorchjob_manifest(overrides), sort_keys=False), end="")
+    elif args.action == "run-local":
+        try:
+            result = pl.run_local(overrides, Path(args.root))
+        except RuntimeError as e:  # a step failed: kfp.local names it, the step's output is above
+            print(f"rfsdp pipeline run-local: a step failed: {e}", file=sys.stderr)
+            return 1
+        pl.print_local_result(result, overrides)
+    else:
+        ids = pl.submit(
+            args.host,
+            overrides,
+            kfp_experiment=args.kfp_experiment,
+            namespace=args.namespace,
+            service_account=args.service_account,
+            existing_token=os.environ.get("KFP_TOKEN"),
+        )
+        print(json.dumps(ids, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``rfsdp`` argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="rfsdp", description="Resilient FSDP training as a Kubeflow pipeline.")
@@ -115,6 +149,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tag", action="append", default=[], help="extra run tag KEY=VALUE (repeatable)")
     p.add_argument("--retries", type=int, default=5, help="attempts to reach a tracking server (exponential backoff from 1 s)")
     p.set_defaults(func=_log_mlflow)
+
+    p = sub.add_parser("pipeline", help="the Kubeflow pipeline: compile, run locally (kfp.local), submit, show the PyTorchJob")
+    actions = p.add_subparsers(dest="action", required=True)
+    a = actions.add_parser("compile", help="compile the pipeline to KFP IR YAML")
+    a.add_argument("--out", default="work/resilient_fsdp_training.yaml", help="output file")
+    settable = "pipeline parameter NAME=VALUE (repeatable; names as in the train flags, snake_case: steps, nnodes, fault, backend, ...)"
+    a = actions.add_parser("run-local", help="run the whole pipeline locally with kfp.local (SubprocessRunner, this venv)")
+    a.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help=settable)
+    a.add_argument("--root", default="work/pipeline", help="local working directory (pipeline root with every artifact)")
+    a = actions.add_parser("submit", help="upload the pipeline to a KFP server and start a run (token from KFP_TOKEN)")
+    a.add_argument("--host", required=True, help="KFP API endpoint, e.g. https://kubeflow.example.com/pipeline")
+    a.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help=settable)
+    a.add_argument("--kfp-experiment", default="resilient-fsdp", help="KFP experiment the run goes into")
+    a.add_argument("--namespace", help="KFP profile namespace (multi-user deployments)")
+    a.add_argument("--service-account", help="service account of the run's pods (needs deploy/rbac.yaml)")
+    a = actions.add_parser("manifest", help="print the PyTorchJob the train step creates (backend=kubernetes) as YAML")
+    a.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help=settable)
+    p.set_defaults(func=_pipeline)
     return parser
 
 

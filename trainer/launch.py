@@ -8,14 +8,18 @@ exercises the cluster's launch contract (multi-node rendezvous included).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from trainer.config import TRAJECTORY_FIELDS, Timeouts, TrainConfig
 from trainer.data import DataError, load_manifest, verify_shards
@@ -24,6 +28,8 @@ from trainer.storage import StorageError, local_data, open_storage
 
 RUN_CONFIG = "config.json"
 DEFAULT_RDZV_PORT = 29400
+BACKENDS = ("local", "kubernetes")
+"""Where the train step runs the worker command: local processes or a PyTorchJob."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +80,21 @@ def operator_env(spec: LaunchSpec, *, rdzv_endpoint: str, job_id: str) -> dict[s
         "PET_RDZV_ID": job_id,
         "PET_MAX_RESTARTS": str(spec.max_restarts),
     }
+
+
+def job_from_parameters(params: Mapping[str, Any], *, data: str, run_dir: str) -> tuple[TrainConfig, LaunchSpec]:
+    """The training config and launch spec from flat parameters named like the train flags in
+    snake_case (the pipeline's parameters); extra entries are ignored.
+
+    Raises:
+        ValueError: a bad value, naming the parameter as it was given (``ckpt_every``, not ``--ckpt-every``).
+    """
+    try:
+        spec = LaunchSpec(nnodes=params["nnodes"], nproc_per_node=params["nproc_per_node"], max_restarts=params["max_restarts"])
+        ns = argparse.Namespace(**{**params, "data": data, "run_dir": run_dir, "world_size": spec.world_size})
+        return TrainConfig.from_namespace(ns), spec
+    except ValueError as e:
+        raise ValueError(re.sub(r"--([a-z][a-z-]*)", lambda m: m.group(1).replace("-", "_"), str(e))) from None
 
 
 def check_launch(cfg: TrainConfig, spec: LaunchSpec, *, verify_data: bool = True) -> None:

@@ -1,0 +1,258 @@
+"""The Kubernetes backend of the train step: the one module that knows Kubernetes.
+
+It wraps the launch contract's worker command (``trainer.launch.worker_command``) in a
+training-operator ``PyTorchJob``: Worker replicas only, an ``elasticPolicy`` with the c10d
+rendezvous (the operator then injects the ``PET_*`` environment that ``ft_launcher`` reads, the
+same one ``trainer.launch.operator_env`` gives local runs), ``nprocPerNode`` as a string, the
+container named ``pytorch``, restartPolicy OnFailure, a run policy, the shared volume that holds
+the data and the run dir, GPUs and resources, and a memory-backed ``/dev/shm``.
+
+``run_pytorchjob`` creates the job with ``TrainingClient``, streams worker 0's log, waits for
+Succeeded or Failed, deletes the job when the caller is cancelled, and raises ``JobFailed`` with
+the job's own reason.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kubeflow.training import TrainingClient, models
+from kubeflow.training.constants import constants as kf
+from kubernetes import client as k8s
+
+from trainer.config import TrainConfig
+from trainer.launch import DEFAULT_RDZV_PORT, LaunchSpec, worker_command
+
+API_VERSION = "kubeflow.org/v1"
+KIND = "PyTorchJob"
+CONTAINER = kf.PYTORCHJOB_CONTAINER  # the webhook requires this container name
+WORKSPACE_MOUNT = "/mnt/rfsdp"
+"""Where the shared volume (data + run dirs) is mounted in the train step's pod and in every worker."""
+CREDENTIAL_SECRETS: dict[str, tuple[str, ...]] = {
+    "rfsdp-s3": ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"),
+    "rfsdp-mlflow": ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"),
+}
+"""Secrets (name -> keys, each key becomes the env variable of that name) given to the pipeline's
+pods and to every worker, all optional: credentials never travel as pipeline parameters."""
+RDZV_PORT_NAME = "pytorchjob-port"  # the operator exposes this named port on each replica's service
+_DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+
+
+class JobFailed(RuntimeError):
+    """The PyTorchJob failed, was deleted, or could not be followed; the message says why."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterOptions:
+    """Where and how the PyTorchJob runs (everything beyond the training config and launch spec)."""
+
+    name: str
+    """Job name (DNS-1035); pods and services are named ``<name>-worker-<i>``."""
+    image: str
+    """Container image of every worker (the project's Dockerfile)."""
+    namespace: str = ""
+    """Namespace of the job ("" = the TrainingClient's: the pod's own namespace in a cluster)."""
+    pvc_name: str = "rfsdp-workspace"
+    """PersistentVolumeClaim (ReadWriteMany) mounted at ``WORKSPACE_MOUNT`` in every worker."""
+    gpus: bool = False
+    """Request one ``nvidia.com/gpu`` per process (nproc_per_node per worker)."""
+    cpu: str = "4"
+    """CPU request and limit per worker."""
+    memory: str = "16Gi"
+    """Memory request and limit per worker."""
+    shm_size: str = "8Gi"
+    """Size of the memory-backed /dev/shm (the async checkpoint staging buffers live there)."""
+    secrets: tuple[str, ...] = tuple(CREDENTIAL_SECRETS)
+    """Secrets whose keys become environment variables of every worker (optional ones)."""
+    backoff_limit: int = 3
+    """Pod restarts (restartPolicy OnFailure) before the operator marks the job Failed."""
+    active_deadline_s: int = 0
+    """Hard wall-clock limit of the job (0: none)."""
+    ttl_after_finished_s: int = 86400
+    """Seconds the finished job object is kept for inspection."""
+
+    def __post_init__(self) -> None:
+        if len(self.name) > 63 - len("-worker-00") or not _DNS_1035.match(self.name):
+            raise ValueError(
+                f"run_name: {self.name!r} is not a DNS-1035 label of at most 53 characters (a-z, 0-9, '-'; starting with a letter)"
+            )
+        if self.namespace and (len(self.namespace) > 63 or not _DNS_1123.match(self.namespace)):
+            raise ValueError(f"namespace: {self.namespace!r} is not a valid namespace name")
+        if not self.image.strip() or any(c.isspace() for c in self.image):
+            raise ValueError(f"image: {self.image!r} is not a container image reference")
+        if not _DNS_1123.match(self.pvc_name):
+            raise ValueError(f"pvc_name: {self.pvc_name!r} is not a valid PersistentVolumeClaim name")
+        for field_name in ("cpu", "memory", "shm_size"):
+            if not _QUANTITY.match(getattr(self, field_name)):
+                raise ValueError(f"{field_name}: {getattr(self, field_name)!r} is not a Kubernetes quantity (e.g. 4, 500m, 16Gi)")
+        for secret in self.secrets:
+            if not _DNS_1123.match(secret):
+                raise ValueError(f"secrets: {secret!r} is not a valid Secret name")
+        for field_name in ("backoff_limit", "active_deadline_s", "ttl_after_finished_s"):
+            if getattr(self, field_name) < 0:
+                raise ValueError(f"{field_name} must be >= 0, got {getattr(self, field_name)}")
+
+
+def build_pytorchjob(cfg: TrainConfig, spec: LaunchSpec, opts: ClusterOptions) -> models.KubeflowOrgV1PyTorchJob:
+    """The PyTorchJob that runs ``worker_command(cfg)`` on ``spec.nnodes`` Worker pods.
+
+    ``cfg.data`` and ``cfg.run_dir`` must be paths on the shared volume (under ``WORKSPACE_MOUNT``).
+    """
+    for flag, path in (("data", cfg.data), ("run_dir", cfg.run_dir)):
+        if not path.startswith(WORKSPACE_MOUNT + "/"):
+            raise ValueError(f"{flag}: {path!r} is not on the shared volume ({WORKSPACE_MOUNT}), so the workers cannot see it")
+    limits = {"cpu": opts.cpu, "memory": opts.memory}
+    if opts.gpus:
+        limits["nvidia.com/gpu"] = str(spec.nproc_per_node)
+    container = k8s.V1Container(
+        name=CONTAINER,
+        image=opts.image,
+        command=worker_command(cfg),
+        ports=[k8s.V1ContainerPort(name=RDZV_PORT_NAME, container_port=DEFAULT_RDZV_PORT)],
+        resources=k8s.V1ResourceRequirements(requests=dict(limits), limits=limits),
+        env_from=[k8s.V1EnvFromSource(secret_ref=k8s.V1SecretEnvSource(name=s, optional=True)) for s in opts.secrets] or None,
+        volume_mounts=[
+            k8s.V1VolumeMount(name="workspace", mount_path=WORKSPACE_MOUNT),
+            k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm"),
+        ],
+    )
+    pod = k8s.V1PodTemplateSpec(
+        # An Istio sidecar would intercept the rendezvous and store traffic between workers.
+        metadata=k8s.V1ObjectMeta(annotations={"sidecar.istio.io/inject": "false"}),
+        spec=k8s.V1PodSpec(
+            containers=[container],
+            volumes=[
+                k8s.V1Volume(name="workspace", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(claim_name=opts.pvc_name)),
+                k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory", size_limit=opts.shm_size)),
+            ],
+        ),
+    )
+    return models.KubeflowOrgV1PyTorchJob(
+        api_version=API_VERSION,
+        kind=KIND,
+        metadata=k8s.V1ObjectMeta(name=opts.name, namespace=opts.namespace or None, labels={"app.kubernetes.io/part-of": "resilient-fsdp"}),
+        spec=models.KubeflowOrgV1PyTorchJobSpec(
+            # Not the deprecated elasticPolicy.nProcPerNode: the webhook rejects both together.
+            nproc_per_node=str(spec.nproc_per_node),
+            elastic_policy=models.KubeflowOrgV1ElasticPolicy(
+                rdzv_backend="c10d",
+                rdzv_port=DEFAULT_RDZV_PORT,
+                min_replicas=spec.nnodes,
+                max_replicas=spec.nnodes,
+                max_restarts=spec.max_restarts,
+            ),
+            pytorch_replica_specs={
+                kf.REPLICA_TYPE_WORKER: models.KubeflowOrgV1ReplicaSpec(replicas=spec.nnodes, restart_policy="OnFailure", template=pod)
+            },
+            run_policy=models.KubeflowOrgV1RunPolicy(
+                clean_pod_policy="None",  # keep finished pods: their logs explain a failure
+                backoff_limit=opts.backoff_limit,
+                active_deadline_seconds=opts.active_deadline_s or None,
+                ttl_seconds_after_finished=opts.ttl_after_finished_s,
+            ),
+        ),
+    )
+
+
+def to_manifest(job: models.KubeflowOrgV1PyTorchJob) -> dict[str, Any]:
+    """The job as the plain JSON-able dict sent to the API server (camelCase, no nulls)."""
+    return k8s.ApiClient().sanitize_for_serialization(job)
+
+
+def run_pytorchjob(
+    job: models.KubeflowOrgV1PyTorchJob,
+    *,
+    training_client: TrainingClient | None = None,
+    poll_s: float = 10.0,
+    timeout_s: float = 7 * 86400,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Create the job, stream worker 0's log, wait for Succeeded or Failed.
+
+    Args:
+        job: from ``build_pytorchjob``.
+        training_client: a configured client (default: in-cluster or kube-config credentials).
+        poll_s: seconds between status polls.
+        timeout_s: give up (and delete the job) after this long.
+        log: where progress lines go.
+
+    Returns:
+        The final job object as a dict (its ``status`` holds conditions and replica statuses).
+
+    Raises:
+        JobFailed: the job failed (with its reason and message), was deleted, or timed out.
+        KeyboardInterrupt: the caller was cancelled; the job has been deleted.
+    """
+    name, namespace = job.metadata.name, job.metadata.namespace
+    tc = training_client or TrainingClient(namespace=namespace or "default")
+    namespace = namespace or tc.namespace
+    tc.create_job(job=job, namespace=namespace)
+    log(f"created {KIND} {namespace}/{name}")
+    done = {kf.JOB_CONDITION_SUCCEEDED, kf.JOB_CONDITION_FAILED}
+    follower = threading.Thread(target=_follow_logs, args=(tc, name, namespace, poll_s, done), daemon=True)
+    follower.start()
+    try:
+        final = tc.wait_for_job_conditions(
+            name, namespace, expected_conditions=done, wait_timeout=max(int(timeout_s), 1), polling_interval=max(int(poll_s), 1)
+        )
+    except BaseException as e:  # cancelled, timed out, or the job vanished: leave nothing behind
+        _delete_quietly(tc, name, namespace, log)
+        if isinstance(e, KeyboardInterrupt | SystemExit):
+            raise
+        raise JobFailed(f"{KIND} {namespace}/{name} could not be followed to completion: {e}") from e
+    follower.join(timeout=poll_s)
+    status = tc.api_client.sanitize_for_serialization(final).get("status", {})
+    conditions = status.get("conditions") or []
+    last = conditions[-1] if conditions else {}
+    if last.get("type") != kf.JOB_CONDITION_SUCCEEDED:
+        failed = next((c for c in reversed(conditions) if c.get("type") == kf.JOB_CONDITION_FAILED), last)
+        raise JobFailed(
+            f"{KIND} {namespace}/{name} failed: {failed.get('reason', 'unknown reason')}: {failed.get('message', '')}".rstrip(": ")
+        )
+    log(f"{KIND} {namespace}/{name} succeeded")
+    return tc.api_client.sanitize_for_serialization(final)
+
+
+def _follow_logs(tc: TrainingClient, name: str, namespace: str, poll_s: float, done: set[str]) -> None:
+    """Print worker 0's log as it runs (best effort: a log stream must never fail the step)."""
+    try:
+        tc.wait_for_job_conditions(
+            name, namespace, expected_conditions={kf.JOB_CONDITION_RUNNING, *done}, wait_timeout=86400, polling_interval=max(int(poll_s), 1)
+        )
+        tc.get_job_logs(name, namespace, is_master=False, replica_type="worker", replica_index=0, follow=True)
+    except Exception as e:  # noqa: BLE001 (logs are a convenience; the status poll decides)
+        print(f"(log stream of {name} ended: {e})")
+
+
+def _delete_quietly(tc: TrainingClient, name: str, namespace: str, log: Callable[[str], None]) -> None:
+    try:
+        tc.delete_job(name, namespace)
+        log(f"deleted {KIND} {namespace}/{name}")
+    except Exception as e:  # noqa: BLE001 (already gone is fine; report anything else)
+        log(f"could not delete {KIND} {namespace}/{name}: {e}")
+
+
+def shared_paths(run_name: str) -> tuple[str, str]:
+    """Data and run dir of a run on the shared volume: a rerun with the same name resumes there."""
+    return f"{WORKSPACE_MOUNT}/{run_name}/data", f"{WORKSPACE_MOUNT}/{run_name}/run"
+
+
+def cluster_options(params: Mapping[str, Any]) -> ClusterOptions:
+    """``ClusterOptions`` from the pipeline's parameters (``run_name``, ``image``, ``namespace``,
+    ``pvc_name``, ``gpus``, ``cpu``, ``memory``); raises ValueError naming a bad one.
+    """
+    return ClusterOptions(
+        name=params["run_name"],
+        image=params["image"],
+        namespace=params["namespace"],
+        pvc_name=params["pvc_name"],
+        gpus=params["gpus"],
+        cpu=params["cpu"],
+        memory=params["memory"],
+    )
