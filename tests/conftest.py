@@ -91,3 +91,68 @@ def s3_bucket(s3_server: str, request: pytest.FixtureRequest) -> str:
     boto3.client("s3").create_bucket(Bucket=name)
     return f"s3://{name}"
 
+
+class MlflowServer:
+    """A real ``mlflow server`` (sqlite backend, its own artifact root) on a free loopback port."""
+
+    def __init__(self, root: Path) -> None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.root = root
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 90) -> None:
+        import time
+        import urllib.request
+
+        cmd = [
+            sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
+            "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}", "--artifacts-destination", str(self.root / "artifacts"),
+        ]  # fmt: skip
+        with open(self.root / "server.log", "ab") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited: {(self.root / 'server.log').read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(self.uri + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError(f"mlflow server not healthy after {timeout} s")
+
+    def stop(self) -> None:
+        import os
+        import signal
+
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # its own session: the server and its workers
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.proc = None
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    """A real MLflow tracking server for the session (a test may stop and restart it)."""
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def faulty_run(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 30-step run with an in-process (exception) and an in-job (SIGKILL) recovery."""
+    run = tmp_path_factory.mktemp("faulty") / "async-faults"
+    train(data_dir, run, "--steps", "30", "--fault", "exception@12:1,sigkill@22:0", "--hang-timeout", "6")
+    return run

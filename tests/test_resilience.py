@@ -13,7 +13,6 @@ from tests.test_training import assert_same_tensors
 from trainer.checkpoint import CHECKPOINTS, latest_checkpoint, read_full_state, verify_checkpoint
 from trainer.events import read_events
 
-FAST = ("--hang-timeout", "6")  # shorter detection; not part of the trajectory
 
 
 def restarts(run: Path) -> list[dict]:
@@ -26,7 +25,7 @@ def restarts(run: Path) -> list[dict]:
 )
 def test_each_fault_is_recovered_exactly(data_dir: Path, baseline_60: Path, tmp_path: Path, fault: str, layer: str) -> None:
     run = tmp_path / "run"
-    train(data_dir, run, "--steps", "60", "--fault", fault, *FAST)
+    train(data_dir, run, "--steps", "60", "--fault", fault)
     events = read_events(run)
     assert [(e["kind"], e["step"]) for e in events if e["event"] == "fault"] == [(fault.split("@")[0], 15)]
     (restart,) = restarts(run)
@@ -37,14 +36,14 @@ def test_each_fault_is_recovered_exactly(data_dir: Path, baseline_60: Path, tmp_
 
 def test_exception_without_inprocess_falls_to_in_job(data_dir: Path, baseline_60: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    train(data_dir, run, "--steps", "60", "--fault", "exception@15:1", "--no-inprocess-restart", *FAST)
+    train(data_dir, run, "--steps", "60", "--fault", "exception@15:1", "--no-inprocess-restart")
     assert [r["layer"] for r in restarts(run)] == ["in_job"]
     assert losses(run) == losses(baseline_60)
 
 
 def test_all_four_faults_in_one_run(data_dir: Path, baseline_60: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    train(data_dir, run, "--steps", "60", "--fault", "exception@12:1,sigkill@23:0,hang@34:1,exit@45:0", "--max-restarts", "5", *FAST)
+    train(data_dir, run, "--steps", "60", "--fault", "exception@12:1,sigkill@23:0,hang@34:1,exit@45:0", "--max-restarts", "5")
     assert [r["layer"] for r in restarts(run)] == ["in_process", "in_job", "in_job", "in_job"]
     assert [r["attempt"] for r in restarts(run)] == [1, 2, 3, 4]
     assert losses(run) == losses(baseline_60)
@@ -76,7 +75,7 @@ def test_sigkill_during_background_write_never_publishes_it(data_dir: Path, tmp_
     """A larger model makes each async write take long enough that a kill right after the save
     was scheduled lands while the background worker is still writing."""
     run = tmp_path / "run"
-    args = ("--model", "small", "--steps", "14", "--ckpt-every", "5", "--batch-size", "2", *FAST)
+    args = ("--model", "small", "--steps", "14", "--ckpt-every", "5", "--batch-size", "2")
     train(data_dir, run, *args, "--fault", "sigkill@11:1")
     events = read_events(run)
     fault_time = next(e["time"] for e in events if e["event"] == "fault")

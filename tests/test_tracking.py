@@ -1,0 +1,167 @@
+"""MLflow logging of real runs against a real `mlflow server` on loopback (trainer.tracking)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from tests.conftest import MlflowServer, rfsdp
+from trainer.events import read_events
+from trainer.tracking import EVENTS_HASH_TAG, TrackingError, log_run, summarize
+
+pytestmark = pytest.mark.slow
+
+SPEC = "exception@12:1,sigkill@22:0"
+
+
+def _snapshot(client: MlflowClient, experiment: str) -> dict:
+    """Everything the experiment holds: runs, params, tags and every metric's full history."""
+    exp = client.get_experiment_by_name(experiment)
+    out = {}
+    for run in client.search_runs([exp.experiment_id]):
+        rid = run.info.run_id
+        history = {k: sorted((m.step, m.timestamp, m.value) for m in client.get_metric_history(rid, k)) for k in run.data.metrics}
+        out[rid] = {"params": run.data.params, "tags": run.data.tags, "metrics": history, "status": run.info.status}
+    return out
+
+
+def _tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_summary_definitions() -> None:
+    """Goodput counts each step's last line once and wall time only inside sessions."""
+    ev = [
+        {"event": "run_start", "time": 100.0, "rank": 0, "config": {}, "world_size": 2},
+        {"event": "step", "time": 101.0, "rank": 0, "step": 1, "loss": 5.0, "step_time_s": 1.0, "tokens": 100},
+        {"event": "step", "time": 102.0, "rank": 0, "step": 2, "loss": 4.0, "step_time_s": 1.0, "tokens": 100},
+        {"event": "checkpoint", "time": 102.5, "rank": 0, "step": 2, "mode": "sync", "blocking_s": 0.5, "total_s": 1.0, "bytes": 2_000_000},
+        {"event": "fault", "time": 103.0, "rank": 1, "kind": "exception", "step": 3},
+        {"event": "step", "time": 106.0, "rank": 0, "step": 3, "loss": 3.5, "step_time_s": 1.0, "tokens": 100},
+        {"event": "restart", "time": 106.0, "rank": 0, "layer": "in_process", "attempt": 1, "resumed_from_step": 2, "lost_steps": 0,
+         "recovery_s": 3.0},
+        {"event": "step", "time": 107.0, "rank": 0, "step": 4, "loss": 3.0, "step_time_s": 1.0, "tokens": 100},
+        {"event": "run_end", "time": 107.0, "rank": 0, "status": "stopped", "step": 4},
+        # resumed later from the step-2 checkpoint: steps 3 and 4 run again; the gap is not wall time
+        {"event": "run_start", "time": 200.0, "rank": 0, "config": {}, "world_size": 2},
+        {"event": "step", "time": 201.0, "rank": 0, "step": 3, "loss": 3.5, "step_time_s": 0.5, "tokens": 100},
+        {"event": "step", "time": 202.0, "rank": 0, "step": 4, "loss": 3.0, "step_time_s": 0.5, "tokens": 100},
+        {"event": "step", "time": 203.0, "rank": 0, "step": 5, "loss": 2.5, "step_time_s": 0.5, "tokens": 100},
+        {"event": "run_end", "time": 203.5, "rank": 0, "status": "completed", "step": 5},
+    ]  # fmt: skip
+    s = summarize(ev)
+    wall = (107 - 100) + (203.5 - 200)
+    assert s["wall_time_s"] == wall
+    assert s["useful_time_s"] == 1 + 1 + 0.5 + 0.5 + 0.5
+    assert s["goodput"] == pytest.approx(3.5 / wall)
+    assert s["ckpt_overhead"] == pytest.approx(0.5 / wall)
+    assert (s["final_step"], s["final_loss"], s["steps_executed"]) == (5, 2.5, 7)
+    assert (s["restarts_in_process"], s["restarts_in_job"], s["recovery_s_max"]) == (1, 0, 3.0)
+    assert s["ckpt_write_mb_s_mean"] == pytest.approx(2.0)
+    assert s["tokens_per_s"] == pytest.approx(500 / 3.5)
+
+
+def test_faulty_run_logged_to_real_server(faulty_run: Path, mlflow_server: MlflowServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    events = read_events(faulty_run)
+    restarts = [e for e in events if e["event"] == "restart"]
+    ckpts = [e for e in events if e["event"] == "checkpoint"]
+    steps = [e for e in events if e["event"] == "step"]
+    assert {e["layer"] for e in restarts} == {"in_process", "in_job"}  # both faults really recovered
+
+    validation = {"valid": True, "step": 30}
+    tags = {"kfp_run_id": "run-123", "kfp_pipeline_job": "resilient-fsdp-abc"}
+    run_id = log_run(faulty_run, tracking_uri=mlflow_server.uri, experiment="faulty", tags=tags, validation=validation)
+    client = MlflowClient(mlflow_server.uri)
+    run = client.get_run(run_id)
+    m, p = run.data.metrics, run.data.params
+
+    # counts and values match events.jsonl
+    for layer in ("in_process", "in_job"):
+        assert m[f"restarts_{layer}"] == sum(e["layer"] == layer for e in restarts)
+    recovery = client.get_metric_history(run_id, "restart_recovery_s")
+    assert sorted((x.step, x.value) for x in recovery) == sorted((e["attempt"], e["recovery_s"]) for e in restarts)
+    assert m["recovery_s_max"] == max(e["recovery_s"] for e in restarts)
+    assert m["lost_steps"] == sum(e["lost_steps"] for e in restarts)
+    blocking = client.get_metric_history(run_id, "ckpt_blocking_s")
+    assert sorted((x.step, x.value) for x in blocking) == sorted((e["step"], e["blocking_s"]) for e in ckpts)
+    assert m["checkpoints"] == len(ckpts) and m["ckpt_blocking_s_total"] == pytest.approx(sum(e["blocking_s"] for e in ckpts))
+    loss = client.get_metric_history(run_id, "loss")  # every step line, at its real time
+    assert sorted((x.step, x.timestamp) for x in loss) == sorted((e["step"], int(e["time"] * 1000)) for e in steps)
+    assert m["final_loss"] == [e for e in steps if e["step"] == 30][-1]["loss"]
+    assert m["goodput"] == pytest.approx(summarize(events)["goodput"]) and 0 < m["goodput"] < 1
+
+    assert (p["ckpt_mode"], p["fault"], p["world_size"], p["backend"], p["steps"]) == ("async", SPEC, "2", "local", "30")
+    assert run.data.tags["kfp_run_id"] == "run-123" and run.data.tags["rfsdp.valid"] == "true"
+    assert run.info.status == "FINISHED"
+
+    # artifacts: the events file byte for byte, the validation report, the restart table
+    dst = Path(client.download_artifacts(run_id, "events.jsonl", str(faulty_run.parent / "dl")))
+    assert dst.read_bytes() == (faulty_run / "events.jsonl").read_bytes()
+    assert json.loads(Path(client.download_artifacts(run_id, "validation.json", str(faulty_run.parent / "dl"))).read_text()) == validation
+    table = client.load_table(run.info.experiment_id, "restarts.json", run_ids=[run_id])
+    assert list(table["layer"]) == [e["layer"] for e in restarts]
+    assert list(table["fault_kind"]) == ["exception", "sigkill"]
+
+    # logging again (through the CLI, the server named by MLFLOW_TRACKING_URI) changes nothing
+    before = _snapshot(client, "faulty")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)
+    proc = rfsdp("log-mlflow", "--run-dir", str(faulty_run), "--experiment", "faulty")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == run_id
+    assert log_run(faulty_run, tracking_uri=mlflow_server.uri, experiment="faulty", tags=tags, validation=validation) == run_id
+    assert _snapshot(client, "faulty") == before
+
+    # even a full re-log (as after a logging interrupted half-way) adds no duplicate point
+    client.delete_tag(run_id, EVENTS_HASH_TAG)
+    assert log_run(faulty_run, tracking_uri=mlflow_server.uri, experiment="faulty", tags=tags, validation=validation) == run_id
+    assert _snapshot(client, "faulty") == before
+
+
+def test_default_store_is_local_sqlite_under_work(faulty_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (tmp_path / "pyproject.toml").write_text("")
+    (tmp_path / "notebooks").mkdir()
+    monkeypatch.chdir(tmp_path / "notebooks")  # from a subdirectory, as a notebook kernel runs
+    run_id = log_run(faulty_run)
+    store = tmp_path / "work" / "mlflow"
+    assert (store / "mlflow.db").is_file()
+    logged = store / "artifacts" / "resilient-fsdp" / run_id / "artifacts" / "events.jsonl"
+    assert logged.read_bytes() == (faulty_run / "events.jsonl").read_bytes()
+    assert log_run(faulty_run) == run_id
+
+
+def test_bad_input_is_one_clear_line(tmp_path: Path) -> None:
+    proc = rfsdp("log-mlflow", "--run-dir", str(tmp_path / "missing"), "--tracking-uri", f"sqlite:///{tmp_path}/x.db")
+    assert proc.returncode == 2 and "--run-dir" in proc.stderr and "Traceback" not in proc.stderr
+    proc = rfsdp("log-mlflow", "--run-dir", str(tmp_path), "--tag", "novalue")
+    assert proc.returncode == 2 and "--tag" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "x.db").exists()
+
+
+def test_server_down_retries_then_fails_clearly_and_nothing_is_lost(faulty_run: Path, mlflow_server: MlflowServer) -> None:
+    uri = mlflow_server.uri
+    before = _tree_digest(faulty_run)
+    mlflow_server.stop()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TrackingError, match=re.escape(uri)) as err:
+            log_run(faulty_run, tracking_uri=uri, experiment="after-outage", retries=3, backoff_s=0.2)
+        assert time.monotonic() - t0 >= 0.2 + 0.4  # backed off between the attempts
+        assert "3 attempts" in str(err.value) and str(faulty_run) in str(err.value)
+        proc = rfsdp("log-mlflow", "--run-dir", str(faulty_run), "--tracking-uri", uri, "--experiment", "after-outage", "--retries", "2")
+        assert proc.returncode == 1 and uri in proc.stderr and "Traceback" not in proc.stderr
+    finally:
+        mlflow_server.start()
+    assert _tree_digest(faulty_run) == before
+
+    run_id = log_run(faulty_run, tracking_uri=uri, experiment="after-outage")
+    run = MlflowClient(uri).get_run(run_id)
+    events = read_events(faulty_run)
+    assert run.data.metrics["restarts"] == sum(e["event"] == "restart" for e in events)
+    assert run.data.metrics["checkpoints"] == sum(e["event"] == "checkpoint" for e in events)
