@@ -14,7 +14,6 @@ from trainer.checkpoint import CHECKPOINTS, latest_checkpoint, read_full_state, 
 from trainer.events import read_events
 
 
-
 def restarts(run: Path) -> list[dict]:
     return [e for e in read_events(run) if e["event"] == "restart"]
 
@@ -51,7 +50,7 @@ def test_all_four_faults_in_one_run(data_dir: Path, baseline_60: Path, tmp_path:
 
 def test_restarts_exhausted_keeps_last_good_checkpoint(data_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    proc = train(data_dir, run, "--steps", "40", "--fault", "sigkill@15:0,sigkill@25:1", "--max-restarts", "1", *FAST, check=False)
+    proc = train(data_dir, run, "--steps", "40", "--fault", "sigkill@15:0,sigkill@25:1", "--max-restarts", "1", check=False)
     assert proc.returncode == 1 and "failed" in proc.stderr
     events = read_events(run)
     assert events[-1]["event"] == "run_end" and events[-1]["status"] == "failed"
