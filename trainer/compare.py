@@ -32,11 +32,11 @@ class RunRecord:
     params: dict[str, str]
     events: list[dict]
     summary: dict[str, float | int | None]
+    label: str = ""
+    """Unique within a comparison: the run name, plus the run id's start where names repeat."""
 
-    @property
-    def label(self) -> str:
-        """A short label: the run name (the run dir's name)."""
-        return self.name
+    def __post_init__(self) -> None:
+        self.label = self.label or self.name
 
     @property
     def start(self) -> float:
@@ -73,6 +73,9 @@ def load_runs(experiment: str = DEFAULT_EXPERIMENT, tracking_uri: str | None = N
             client.download_artifacts(run.info.run_id, EVENTS_FILE, str(dst))
             events = read_events(dst)
             records.append(RunRecord(run.info.run_id, run.info.run_name, dict(run.data.params), events, summarize(events)))
+    names = [r.name for r in records]
+    for r in records:  # the run name (the run dir's name) labels a run unless two runs share it
+        r.label = r.name if names.count(r.name) == 1 else f"{r.name} ({r.run_id[:8]})"
     return records
 
 
