@@ -54,6 +54,29 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _validate(args: argparse.Namespace) -> int:
+    import json
+
+    from trainer.fsutil import atomic_write_text
+    from trainer.validate import validate_run
+
+    if args.markdown and not Path(args.markdown).parent.is_dir():
+        raise ValueError(f"--markdown: directory {Path(args.markdown).parent} does not exist")
+    report = validate_run(
+        Path(args.run_dir),
+        step=args.step,
+        data=Path(args.data) if args.data else None,
+        fallback=args.fallback,
+        quality_margin=args.quality_margin,
+        replay_steps=args.replay_steps,
+    )
+    print(json.dumps(report.to_dict(), indent=2))
+    if args.markdown:
+        atomic_write_text(Path(args.markdown), report.to_markdown())
+    print(f"rfsdp validate: {report.summary()}", file=sys.stderr)
+    return 0 if report.valid else 1
+
+
 def _log_mlflow(args: argparse.Namespace) -> int:
     import json
 
@@ -140,6 +163,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=3, help="in-job restarts ft_launcher may do")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_train)
+
+    p = sub.add_parser("validate", help="prove a run's checkpoint is usable: JSON verdict; exit 0 valid, 1 invalid, 2 could not run")
+    p.add_argument("--run-dir", required=True, help="run directory with checkpoints/ and events.jsonl")
+    p.add_argument("--step", type=int, help="validate this published checkpoint (default: the latest)")
+    p.add_argument("--data", help="prepared data directory (default: the one the run recorded)")
+    p.add_argument("--fallback", action="store_true", help="when it is invalid, report the newest older checkpoint that is valid")
+    p.add_argument("--quality-margin", type=float, default=0.5, help="eval loss must be this much below the loss at initialization")
+    p.add_argument("--replay-steps", type=int, default=3, help="steps to resume from the checkpoint and compare with the run's losses")
+    p.add_argument("--markdown", help="also write the table of checks as Markdown to this file")
+    p.set_defaults(func=_validate)
 
     p = sub.add_parser("log-mlflow", help="log a run dir to MLflow (one run per run dir, idempotent); prints the run id")
     p.add_argument("--run-dir", required=True, help="run directory with events.jsonl")
