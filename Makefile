@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 RFSDP := $(VENV)/bin/rfsdp
 DEMO := work/demo
 
-.PHONY: setup test demo lint bench clean
+.PHONY: setup test demo compare lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -23,11 +23,32 @@ test: setup
 
 demo: setup
 	rm -rf $(DEMO)
-	$(RFSDP) prepare-data --out $(DEMO)/data
-	@echo "== train 60 steps on 2 CPU workers, stopping after step 30 (an exception at step 15 is recovered in-process)"
-	$(RFSDP) train --data $(DEMO)/data --run-dir $(DEMO)/run --steps 60 --stop-at-step 30 --fault exception@15:1
-	@echo "== the same command without --stop-at-step resumes from the step-30 checkpoint"
-	$(RFSDP) train --data $(DEMO)/data --run-dir $(DEMO)/run --steps 60 --fault exception@15:1
+	@echo "== the whole pipeline locally (kfp.local): prepare data -> train 60 steps on 2 CPU workers, rank 1 raises"
+	@echo "   at step 15 (in-process restart), rank 0 is SIGKILLed at step 30 (in-job restart) -> validate -> MLflow"
+	$(RFSDP) pipeline run-local --root $(DEMO) --set fault=exception@15:1,sigkill@30:0
+
+# A small sweep into one fresh MLflow experiment (default store: work/mlflow/): sync vs async
+# checkpointing x no faults vs a fault schedule, tiny model; then the comparison notebook, executed.
+COMPARE_STAMP := $(shell date +%Y%m%d-%H%M%S)
+COMPARE_EXPERIMENT ?= compare-$(COMPARE_STAMP)
+COMPARE_DIR = work/compare/$(COMPARE_EXPERIMENT)
+COMPARE_FAULT ?= exception@12:1,sigkill@27:0
+
+define compare_run
+	$(RFSDP) train --quiet --data $(COMPARE_DIR)/data --run-dir $(COMPARE_DIR)/$(1) --steps 40 --ckpt-every 5 --hang-timeout 6 $(2)
+	$(RFSDP) log-mlflow --run-dir $(COMPARE_DIR)/$(1) --experiment $(COMPARE_EXPERIMENT)
+endef
+
+compare: setup
+	$(RFSDP) prepare-data --out $(COMPARE_DIR)/data
+	$(call compare_run,sync-nofaults,--ckpt-mode sync)
+	$(call compare_run,async-nofaults,--ckpt-mode async)
+	$(call compare_run,sync-faults,--ckpt-mode sync --fault $(COMPARE_FAULT))
+	$(call compare_run,async-faults,--ckpt-mode async --fault $(COMPARE_FAULT))
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m papermill --log-level WARNING notebooks/compare_experiments.ipynb \
+		$(COMPARE_DIR)/compare_experiments.ipynb -p experiment $(COMPARE_EXPERIMENT)
+	@echo "== executed notebook: $(COMPARE_DIR)/compare_experiments.ipynb (experiment $(COMPARE_EXPERIMENT))"
+	@echo "== MLflow UI: $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/work/mlflow/mlflow.db"
 
 lint: setup
 	$(VENV)/bin/ruff check .

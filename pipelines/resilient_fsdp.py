@@ -267,7 +267,7 @@ def submit(
     """Compile, upload (a new pipeline or a new version of it) and start a run on a KFP server.
 
     Returns:
-        ``pipeline_id``, ``version_id`` (may be empty for a first upload), ``experiment_id`` and ``run_id``.
+        ``pipeline_id``, ``version_id``, ``experiment_id`` and ``run_id``.
     """
     import tempfile
 
@@ -278,21 +278,20 @@ def submit(
     with tempfile.TemporaryDirectory() as tmp:
         path = compile_pipeline(package or Path(tmp) / "pipeline.yaml")
         pipeline_id = client.get_pipeline_id(PIPELINE_NAME)
-        version_id = ""
-        if pipeline_id is None:
+        if pipeline_id is None:  # first upload: the pipeline and its first version
             pipeline_id = client.upload_pipeline(str(path), pipeline_name=PIPELINE_NAME, namespace=namespace).pipeline_id
+            versions = client.list_pipeline_versions(pipeline_id, page_size=1, sort_by="created_at desc").pipeline_versions
+            version_id = versions[0].pipeline_version_id
         else:
-            version = client.upload_pipeline_version(
-                str(path), f"{PIPELINE_NAME}-{time.strftime('%Y%m%d-%H%M%S')}", pipeline_id=pipeline_id
-            )
-            version_id = version.pipeline_version_id
+            name = f"{PIPELINE_NAME}-{time.strftime('%Y%m%d-%H%M%S')}"
+            version_id = client.upload_pipeline_version(str(path), name, pipeline_id=pipeline_id).pipeline_version_id
     experiment = client.create_experiment(kfp_experiment, namespace=namespace)
     run = client.run_pipeline(
         experiment_id=experiment.experiment_id,
         job_name=f"{params['run_name']}-{time.strftime('%Y%m%d-%H%M%S')}",
         params=dict(overrides),
         pipeline_id=pipeline_id,
-        version_id=version_id or None,
+        version_id=version_id,
         service_account=service_account,
     )
     return {"pipeline_id": pipeline_id, "version_id": version_id, "experiment_id": experiment.experiment_id, "run_id": run.run_id}

@@ -232,6 +232,23 @@ def job_for(overrides: dict | None = None):  # noqa: ANN201
 
 
 JOBS = "/apis/kubeflow.org/v1/namespaces/team-a/pytorchjobs"
+RBAC = Path(__file__).resolve().parent.parent / "deploy" / "rbac.yaml"
+
+
+def assert_rbac_allows(calls: list[tuple[str, str]]) -> None:
+    """Every API call the step made is granted by deploy/rbac.yaml's Role."""
+    role = next(d for d in yaml.safe_load_all(RBAC.read_text()) if d["kind"] == "Role")
+    for method, path in calls:
+        m = re.match(
+            r"^/apis?/(?:(?P<group>[a-z.]+)/)?v1/namespaces/[^/]+/(?P<resource>[a-z]+)(?:/(?P<name>[^/]+))?(?:/(?P<sub>[a-z]+))?$", path
+        )
+        assert m, path
+        group = m["group"] if m["group"] != "v1" else ""
+        resource = m["resource"] + (f"/{m['sub']}" if m["sub"] else "")
+        verb = {"POST": "create", "DELETE": "delete", "GET": "get" if m["name"] else "list"}[method]
+        assert any((group or "") in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"] for r in role["rules"]), (
+            f"deploy/rbac.yaml does not allow {verb} {resource} ({method} {path})"
+        )
 
 
 def test_run_pytorchjob_creates_follows_and_succeeds() -> None:
@@ -245,6 +262,7 @@ def test_run_pytorchjob_creates_follows_and_succeeds() -> None:
     assert final["status"]["conditions"][-1]["type"] == "Succeeded"
     assert ("GET", "/api/v1/namespaces/team-a/pods/exp-1-worker-0/log") in api.calls()
     assert not any(method == "DELETE" for method, _ in api.calls())
+    assert_rbac_allows(api.calls())
 
 
 def test_run_pytorchjob_fails_with_the_jobs_reason() -> None:
@@ -262,6 +280,7 @@ def test_cancel_deletes_the_job() -> None:
         timer.cancel()
     assert ("DELETE", f"{JOBS}/exp-1") in api.calls()
     assert api.jobs == {}
+    assert_rbac_allows(api.calls())
 
 
 def test_a_job_deleted_by_someone_else_fails_the_step() -> None:

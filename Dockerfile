@@ -1,0 +1,27 @@
+# The one image every pipeline step and every PyTorchJob worker runs:
+#   docker build -t ghcr.io/resilient-fsdp/resilient-fsdp:0.1.0 .
+# and pass it to the pipeline as `image` (rfsdp pipeline submit --set image=...).
+FROM python:3.11-slim
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /opt/resilient-fsdp
+
+# torch first and pinned: on Linux x86_64 this wheel is the CUDA build (NCCL included), the same
+# version line as the CPU build the tests use. NVRx 0.4.1 is the newest wheel for Python 3.11.
+RUN pip install torch==2.13.0
+
+COPY pyproject.toml README.md ./
+COPY trainer trainer
+COPY components components
+COPY pipelines pipelines
+# Installs kfp (the components run with install_kfp_package=False), kubeflow-training, NVRx
+# (ft_launcher on PATH), mlflow and boto3; the import check fails the build, not the first run.
+RUN pip install . \
+ && python -c "import kfp, kubeflow.training, nvidia_resiliency_ext, mlflow, boto3, trainer.train, trainer.k8s, pipelines.resilient_fsdp" \
+ && command -v ft_launcher rfsdp
+
+# KFP runs the components' own command; a bare `docker run` shows the CLI.
+CMD ["rfsdp", "--help"]
