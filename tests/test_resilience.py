@@ -42,7 +42,7 @@ def test_exception_without_inprocess_falls_to_in_job(data_dir: Path, baseline_60
 
 def test_all_four_faults_in_one_run(data_dir: Path, baseline_60: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    train(data_dir, run, "--steps", "60", "--fault", "exception@12:1,sigkill@23:0,hang@34:1,exit@45:0", "--max-restarts", "5")
+    train(data_dir, run, "--steps", "60", "--fault", "exception@12:1,sigkill@23:0,hang@34:1,exit@45:0", "--max-restarts", "5", timeout=900)
     assert [r["layer"] for r in restarts(run)] == ["in_process", "in_job", "in_job", "in_job"]
     assert [r["attempt"] for r in restarts(run)] == [1, 2, 3, 4]
     assert losses(run) == losses(baseline_60)
