@@ -143,6 +143,13 @@ def _pipeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from bench.runner import BENCHMARKS, run_benchmarks
+
+    names = list(BENCHMARKS) if args.which == "all" else [args.which]
+    return run_benchmarks(names, quick=args.quick, json_path=args.json, work=args.work)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``rfsdp`` argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="rfsdp", description="Resilient FSDP training as a Kubeflow pipeline.")
@@ -200,6 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
     a = actions.add_parser("manifest", help="print the PyTorchJob the train step creates (backend=kubernetes) as YAML")
     a.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help=settable)
     p.set_defaults(func=_pipeline)
+
+    p = sub.add_parser("bench", help="benchmarks against the alternatives (torch.save, dcp.async_save, torchrun restarts)")
+    p.add_argument("which", choices=["checkpoint", "recovery", "overhead", "goodput", "all"], help="which benchmark to run")
+    p.add_argument("--quick", action="store_true", help="everything sized down (a smoke run, not figures to quote)")
+    p.add_argument("--json", type=Path, help="write the results (per method: medians and ratios) to this JSON file")
+    p.add_argument("--work", type=Path, help="scratch directory for data, checkpoints and run dirs (default: work/bench)")
+    p.set_defaults(func=_bench)
     return parser
 
 
