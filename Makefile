@@ -50,6 +50,10 @@ compare: setup
 	@echo "== executed notebook: $(COMPARE_DIR)/compare_experiments.ipynb (experiment $(COMPARE_EXPERIMENT))"
 	@echo "== MLflow UI: $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/work/mlflow/mlflow.db"
 
+# Every benchmark at full size (tens of minutes on 2 CPU cores): tables on stdout, JSON in bench/results/.
+bench: setup
+	$(RFSDP) bench all --json bench/results/latest.json
+
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
