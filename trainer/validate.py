@@ -20,7 +20,8 @@ Six checks, each reported by name with what it measured:
               it from the newest earlier checkpoint (or from initialization), and both the losses
               and the checkpoint it writes (tensors, data position, RNG) must equal the validated ones.
 
-A check whose prerequisite failed is reported as skipped. ``rfsdp validate`` is the command line;
+A check whose prerequisite failed is reported as skipped (``replays`` runs only when all the
+others passed). ``rfsdp validate`` is the command line;
 the pipeline's ``validate_checkpoint`` component calls :func:`validate_run`.
 """
 
@@ -56,15 +57,17 @@ from trainer.events import final_losses, read_events
 from trainer.launch import RUN_CONFIG, LaunchSpec, launch_local
 from trainer.model import Transformer
 from trainer.runtime import seed_everything
+from trainer.storage import StorageError, local_data
 
 CHECKS = ("complete", "intact", "loadable", "finite", "quality", "replays")
-# What each check needs to have passed before it can say anything.
+# What each check needs to have passed before it can say anything. The replay is a real
+# training job, by far the dearest check: it runs only for a checkpoint every other check accepted.
 REQUIRES = {
     "intact": ("complete",),
     "loadable": ("intact",),
     "finite": ("loadable",),
     "quality": ("loadable",),
-    "replays": ("loadable", "finite"),
+    "replays": ("complete", "intact", "loadable", "finite", "quality"),
 }
 EVAL_BATCHES = 16
 """Batches of the val split the quality check evaluates (``batch_size`` x ``seq_len`` tokens each)."""
@@ -261,6 +264,10 @@ def _run_config(run_dir: Path, data: Path | None) -> TrainConfig:
     data = data or recorded.get("data")
     if not data:
         raise ValidationError(f"--data: {run_dir} records no data directory; pass --data DIR")
+    try:
+        data = local_data(str(data), run_dir)  # an s3:// data set: the run dir's verified cache, as in training
+    except StorageError as e:
+        raise ValidationError(f"--data {data}: {e}") from None
     names = {f.name for f in dataclasses.fields(TrainConfig)} - {"faults"}
     fields = {k: v for k, v in recorded.items() if k in names}
     # The validation's own runs never inject the run's faults nor stop where it stopped.
