@@ -44,7 +44,13 @@ def _train(args: argparse.Namespace) -> int:
     spec = LaunchSpec(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts)
     args.world_size = spec.world_size
     cfg = TrainConfig.from_namespace(args)
-    code = launch_local(cfg, spec, progress=not args.quiet)
+    if args.netns:  # each replica on its own network-namespace host, torn down afterwards
+        from trainer.netns import LocalCluster
+
+        with LocalCluster(spec.nnodes) as cluster:
+            code = launch_local(cfg, spec, progress=not args.quiet, placement=cluster)
+    else:
+        code = launch_local(cfg, spec, progress=not args.quiet)
     if code:
         print(f"rfsdp train: the job failed (exit code {code}); logs in {Path(cfg.run_dir) / 'logs'}", file=sys.stderr)
         return 1
@@ -168,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nnodes", type=int, default=1, help="replicas (nodes)")
     p.add_argument("--nproc-per-node", type=int, default=2, help="worker processes per replica")
     p.add_argument("--max-restarts", type=int, default=3, help="in-job restarts ft_launcher may do")
+    p.add_argument("--netns", action="store_true", help="each replica on its own network-namespace host (root; replicas restart like pods)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_train)
 

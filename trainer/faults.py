@@ -1,7 +1,12 @@
 """Real fault injection: ``--fault KIND@STEP[:RANK],...`` (grammar in design.md).
 
 Each fault fires once per run, also across restarts: a marker file in ``RUN_DIR/faults/`` is
-created atomically (``O_EXCL``) just before the fault fires, after its ``fault`` event.
+created atomically (``O_EXCL``) just before the fault fires, with its ``fault`` event.
+
+Rank kinds are fired by the rank itself (:class:`FaultInjector`). Node kinds
+(``node-loss@STEP:NODE``, ``partition@STEP:NODE:SECONDS``) hit a whole replica's host from
+outside: :class:`NodeFaultInjector` runs in the launcher, watches the run's steps and acts
+through the cluster harness (:class:`NodeControl`, see ``trainer.netns``).
 """
 
 from __future__ import annotations
@@ -12,12 +17,15 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 from trainer.events import EventLog
 
 RANK_KINDS = ("exception", "sigkill", "hang", "exit")
-_SPEC = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?::(?P<rank>\d+))?$")
+NODE_KINDS = ("node-loss", "partition")
+_SPEC = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?::(?P<rank>\d+))?(?::(?P<seconds>\d+(?:\.\d+)?))?$")
 EXIT_CODE = 13
+FAULTS_DIR = "faults"
 
 
 class InjectedFault(RuntimeError):
@@ -38,40 +46,83 @@ class Fault:
         return f"{self.kind}@{self.step}:{self.rank}"
 
 
-def parse_fault_spec(spec: str, *, steps: int, world_size: int) -> list[Fault]:
+@dataclass(frozen=True, slots=True)
+class NodeFault:
+    """One scheduled fault of a whole replica's host (fired by the launcher, not by a rank)."""
+
+    kind: str
+    step: int
+    node: int
+    seconds: float = 0.0
+    """How long the host's link stays down (``partition``)."""
+
+    @property
+    def key(self) -> str:
+        """Stable identity used for the once-per-run marker."""
+        return f"{self.kind}@{self.step}:{self.node}"
+
+
+def parse_fault_spec(spec: str, *, steps: int, world_size: int, nnodes: int | None = None) -> list[Fault | NodeFault]:
     """Parse and check a fault spec against the run.
+
+    ``nnodes`` bounds the NODE of node kinds; without it (a rank, which does not know the
+    node count) only ``NODE < world_size`` is checked, and the launcher checks the rest.
 
     Raises:
         ValueError: naming ``--fault`` and the offending item.
     """
-    faults = []
+    faults: list[Fault | NodeFault] = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         m = _SPEC.match(item)
         if not m:
-            raise ValueError(f"--fault: {item!r} is not KIND@STEP[:RANK]")
-        fault = Fault(m["kind"], int(m["step"]), int(m["rank"] or 0))
-        if fault.kind not in RANK_KINDS:
-            raise ValueError(f"--fault: unknown kind {fault.kind!r} in {item!r} (known: {', '.join(RANK_KINDS)})")
-        if not 1 <= fault.step <= steps:
-            raise ValueError(f"--fault: step {fault.step} in {item!r} is outside the run (1..{steps})")
-        if fault.rank >= world_size:
-            raise ValueError(f"--fault: rank {fault.rank} in {item!r} is outside the world (size {world_size})")
-        faults.append(fault)
+            raise ValueError(f"--fault: {item!r} is not KIND@STEP[:RANK] or node-loss@STEP:NODE or partition@STEP:NODE:SECONDS")
+        kind, step, target = m["kind"], int(m["step"]), int(m["rank"] or 0)
+        if kind not in RANK_KINDS + NODE_KINDS:
+            raise ValueError(f"--fault: unknown kind {kind!r} in {item!r} (known: {', '.join(RANK_KINDS + NODE_KINDS)})")
+        if not 1 <= step <= steps:
+            raise ValueError(f"--fault: step {step} in {item!r} is outside the run (1..{steps})")
+        if kind in RANK_KINDS:
+            if m["seconds"] is not None:
+                raise ValueError(f"--fault: {item!r}: only partition takes SECONDS")
+            if target >= world_size:
+                raise ValueError(f"--fault: rank {target} in {item!r} is outside the world (size {world_size})")
+            faults.append(Fault(kind, step, target))
+            continue
+        seconds = float(m["seconds"] or 0)
+        if kind == "partition" and not seconds > 0:
+            raise ValueError(f"--fault: {item!r} needs the partition's length: partition@STEP:NODE:SECONDS")
+        if kind == "node-loss" and m["seconds"] is not None:
+            raise ValueError(f"--fault: {item!r}: node-loss takes no SECONDS (node-loss@STEP:NODE)")
+        bound, what = (nnodes, "nodes") if nnodes is not None else (world_size, "world size")
+        if target >= bound:
+            raise ValueError(f"--fault: node {target} in {item!r} is outside the job ({what} {bound})")
+        faults.append(NodeFault(kind, step, target, seconds))
     return faults
+
+
+def claim_fault(run_dir: Path, key: str) -> bool:
+    """Atomically mark the fault ``key`` as fired; False when it already fired in this run."""
+    marker_dir = Path(run_dir) / FAULTS_DIR
+    marker_dir.mkdir(exist_ok=True)
+    try:
+        os.close(os.open(marker_dir / key, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 class FaultInjector:
     """Fires this rank's scheduled faults at their steps, once per run."""
 
     def __init__(self, faults: list[Fault], run_dir: Path, rank: int, events: EventLog) -> None:
-        self.pending = {f.step: f for f in faults if f.rank == rank}
-        self.marker_dir = Path(run_dir) / "faults"
+        self.pending = {f.step: f for f in faults if isinstance(f, Fault) and f.rank == rank}
+        self.run_dir = Path(run_dir)
         self.events = events
 
     def maybe_fire(self, step: int) -> None:
         """Fire the fault scheduled for ``step`` on this rank, unless it already fired."""
         fault = self.pending.get(step)
-        if fault is None or not self._claim(fault):
+        if fault is None or not claim_fault(self.run_dir, fault.key):
             return
         self.events.emit("fault", kind=fault.kind, step=step)
         if fault.kind == "exception":
@@ -84,10 +135,47 @@ class FaultInjector:
             while True:  # blocked inside C (the sleep syscall), as a stuck kernel or driver would be
                 time.sleep(3600)
 
-    def _claim(self, fault: Fault) -> bool:
-        self.marker_dir.mkdir(exist_ok=True)
-        try:
-            os.close(os.open(self.marker_dir / fault.key, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return False
-        return True
+
+@runtime_checkable
+class NodeControl(Protocol):
+    """What a cluster harness offers to fire node faults: each replica is its own host."""
+
+    def kill_node(self, node: int) -> None:
+        """SIGKILL every process of the host, at once."""
+
+    def set_link(self, node: int, up: bool) -> None:
+        """Take the host's network link down or bring it back."""
+
+
+class NodeFaultInjector:
+    """Fires node faults from the launcher: when the run reaches a fault's step (the step
+    before it completed), writes its ``fault`` event (rank -1) and marker, then acts on the
+    host; a partition's link comes back ``seconds`` later (see :meth:`tick`).
+    """
+
+    def __init__(self, faults: list[Fault | NodeFault], run_dir: Path, control: NodeControl) -> None:
+        self.pending = sorted((f for f in faults if isinstance(f, NodeFault)), key=lambda f: f.step)
+        self.run_dir = Path(run_dir)
+        self.events = EventLog(self.run_dir, rank=-1)
+        self.control = control
+        self.heal_at: dict[int, float] = {}
+
+    def observe(self, completed_step: int) -> None:
+        """The run completed ``completed_step``: fire what is due before the next step."""
+        while self.pending and self.pending[0].step <= completed_step + 1:
+            fault = self.pending.pop(0)
+            if not claim_fault(self.run_dir, fault.key):
+                continue  # fired before this launch (a resumed run)
+            self.events.emit("fault", kind=fault.kind, step=completed_step + 1, node=fault.node, seconds=fault.seconds)
+            if fault.kind == "node-loss":
+                self.control.kill_node(fault.node)
+            else:
+                self.control.set_link(fault.node, up=False)
+                self.heal_at[fault.node] = time.monotonic() + fault.seconds
+
+    def tick(self) -> None:
+        """Bring back the links whose partition is over."""
+        for node, deadline in list(self.heal_at.items()):
+            if time.monotonic() >= deadline:
+                self.control.set_link(node, up=True)
+                del self.heal_at[node]

@@ -3,7 +3,10 @@
 On a cluster the training operator starts that command in each PyTorchJob pod and injects the
 ``PET_*`` rendezvous environment. ``launch_local`` runs the same command as local processes, one
 ft_launcher per replica, with exactly the environment the operator would inject, so a local run
-exercises the cluster's launch contract (multi-node rendezvous included).
+exercises the cluster's launch contract (multi-node rendezvous included). A :class:`Placement`
+says where each replica runs: all on this host (:class:`SameHost`), or each on its own network
+namespace host (``trainer.netns.LocalCluster``), where replicas are supervised like pods and
+node faults are fired.
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Protocol
 
 from trainer.config import TRAJECTORY_FIELDS, Timeouts, TrainConfig
 from trainer.data import DataError, load_manifest, verify_shards
 from trainer.events import EVENTS_FILE, EventLog
+from trainer.faults import NodeControl, NodeFault, NodeFaultInjector, parse_fault_spec
 from trainer.storage import StorageError, local_data, open_storage
 
 RUN_CONFIG = "config.json"
@@ -101,6 +105,7 @@ def check_launch(cfg: TrainConfig, spec: LaunchSpec, *, verify_data: bool = True
     """Everything that can be refused before a process starts; raises ValueError naming it."""
     if cfg.world_size != spec.world_size:
         raise ValueError(f"--world-size {cfg.world_size} does not match nnodes x nproc-per-node = {spec.world_size}")
+    parse_fault_spec(cfg.fault, steps=cfg.steps, world_size=cfg.world_size, nnodes=spec.nnodes)  # NODE < nnodes
     import torch
 
     gpus = torch.cuda.device_count()
@@ -143,13 +148,59 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_local(cfg: TrainConfig, spec: LaunchSpec, *, progress: bool = True, log_dir: Path | None = None) -> int:
-    """Run the job as local processes (one ft_launcher per replica) and wait for it.
+class Placement(Protocol):
+    """Where each replica (one ft_launcher and its workers) runs."""
+
+    restart_on_failure: bool
+    """Restart a replica whose launcher exits non-zero (pods with restartPolicy OnFailure),
+    within the job's restart budget; otherwise that exit fails the job."""
+
+    def rdzv_endpoint(self) -> str:
+        """``HOST:PORT`` of the rendezvous (on replica 0's host)."""
+
+    def replica_command(self, node: int, argv: list[str]) -> list[str]:
+        """The command that runs ``argv`` as replica ``node``."""
+
+    def replica_env(self, node: int) -> dict[str, str]:
+        """Environment specific to replica ``node`` (on top of the operator's)."""
+
+
+class SameHost:
+    """Every replica a process group on this machine, rendezvous on loopback."""
+
+    restart_on_failure = False
+
+    def __init__(self) -> None:
+        self._endpoint = f"127.0.0.1:{free_port()}"
+
+    def rdzv_endpoint(self) -> str:
+        """A free loopback port."""
+        return self._endpoint
+
+    def replica_command(self, node: int, argv: list[str]) -> list[str]:
+        """``argv`` itself."""
+        return argv
+
+    def replica_env(self, node: int) -> dict[str, str]:
+        """Nothing beyond the operator's environment."""
+        return {}
+
+
+def launch_local(
+    cfg: TrainConfig, spec: LaunchSpec, *, progress: bool = True, log_dir: Path | None = None, placement: Placement | None = None
+) -> int:
+    """Run the job as local processes (one ft_launcher per replica, placed by ``placement``,
+    default :class:`SameHost`) and wait for it.
 
     Returns the job's exit code (0: every replica succeeded). The replicas' output goes to
     ``RUN_DIR/logs/replica_<i>.log``; a failed job gets a ``run_end`` event with status failed.
+    Node faults in ``cfg`` are fired here and need a placement that is a ``NodeControl``.
     """
     check_launch(cfg, spec)
+    placement = placement or SameHost()
+    node_faults = [f for f in cfg.faults if isinstance(f, NodeFault)]
+    if node_faults and not isinstance(placement, NodeControl):
+        raise ValueError(f"--fault: {node_faults[0].kind} needs every replica on its own host (--netns)")
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if not (run_dir / RUN_CONFIG).exists():
@@ -158,33 +209,52 @@ def launch_local(cfg: TrainConfig, spec: LaunchSpec, *, progress: bool = True, l
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {
         **os.environ,
-        **operator_env(spec, rdzv_endpoint=f"127.0.0.1:{free_port()}", job_id=f"rfsdp-{os.getpid()}"),
+        **operator_env(spec, rdzv_endpoint=placement.rdzv_endpoint(), job_id=f"rfsdp-{os.getpid()}"),
         "RFSDP_PORT_BASE": str(free_port()),
     }
-    procs = []
-    for node in range(spec.nnodes):
-        log = open(log_dir / f"replica_{node}.log", "ab")  # noqa: SIM115 (closed below)
-        proc = subprocess.Popen(
-            worker_command(cfg, str(Path(sys.executable).parent / "ft_launcher")),
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        procs.append((proc, log))
+    argv = worker_command(cfg, str(Path(sys.executable).parent / "ft_launcher"))
+    replicas = [
+        _Replica(placement.replica_command(n, argv), {**env, **placement.replica_env(n)}, log_dir / f"replica_{n}.log")
+        for n in range(spec.nnodes)
+    ]
+    budget = spec.max_restarts if placement.restart_on_failure else 0
+    injector = NodeFaultInjector(node_faults, run_dir, placement) if node_faults else None
     try:
-        _wait_with_progress(cfg, [p for p, _ in procs], show=progress)
-    except KeyboardInterrupt:
-        for proc, _ in procs:
-            _terminate(proc)
-        raise
+        for replica in replicas:
+            replica.start()
+        code = _wait_with_progress(cfg, replicas, budget, injector, show=progress)
     finally:
-        for _, log in procs:
-            log.close()
-    code = next((p.returncode for p, _ in procs if p.returncode), 0)
+        for replica in replicas:
+            replica.stop()
     if code:
         EventLog(run_dir, rank=-1).emit("run_end", status="failed", exit_code=code)
     return code
+
+
+class _Replica:
+    """One replica's launcher process, (re)startable like a pod's container."""
+
+    def __init__(self, command: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.command, self.env, self.log_path = command, env, log_path
+        self.proc: subprocess.Popen | None = None
+        self._log: IO[bytes] | None = None
+
+    def start(self) -> None:
+        """Start (or restart) the launcher; its output is appended to the replica's log."""
+        self._log = self._log or open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(self.command, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def poll(self) -> int | None:
+        """The launcher's exit code, None while it runs."""
+        return self.proc.poll()
+
+    def stop(self) -> None:
+        """Terminate the launcher if it still runs and close the log."""
+        if self.proc is not None and self.proc.poll() is None:
+            _terminate(self.proc)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
 
 def _terminate(proc: subprocess.Popen) -> None:
@@ -195,8 +265,11 @@ def _terminate(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, 9)
 
 
-def _wait_with_progress(cfg: TrainConfig, procs: list[subprocess.Popen], *, show: bool) -> None:
-    """Wait for the replicas; while they run, show step, loss, tokens/s and restarts."""
+def _wait_with_progress(cfg: TrainConfig, replicas: list[_Replica], budget: int, injector: NodeFaultInjector | None, *, show: bool) -> int:
+    """Wait for the replicas and return the job's exit code. While they run: show step, loss,
+    tokens/s and restarts, fire node faults as the steps go by, and restart a failed replica
+    while ``budget`` lasts (a replica failing beyond it fails the job).
+    """
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     events_path = Path(cfg.run_dir) / EVENTS_FILE
@@ -212,8 +285,19 @@ def _wait_with_progress(cfg: TrainConfig, procs: list[subprocess.Popen], *, show
     with Progress(*columns, disable=not show, transient=False) as bar:
         task = bar.add_task("train", total=total, info="")
         restarts = 0
-        while any(p.poll() is None for p in procs):
-            time.sleep(0.5)
+        while True:
+            codes = [r.poll() for r in replicas]
+            for replica, code in zip(replicas, codes, strict=True):
+                if code:
+                    if budget <= 0:
+                        return code  # a replica failed for good: the job has failed
+                    budget -= 1
+                    replica.start()
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(0.1)  # node faults fire at the step they name: poll often
+            if injector is not None:
+                injector.tick()
             if events_path.exists() and events_path.stat().st_size > seen:
                 with open(events_path) as f:
                     f.seek(seen)
@@ -224,12 +308,10 @@ def _wait_with_progress(cfg: TrainConfig, procs: list[subprocess.Popen], *, show
                     if e["event"] == "step":
                         tps = e.get("tokens", 0) / max(e["step_time_s"], 1e-9)
                         bar.update(task, completed=e["step"], info=f"loss {e['loss']:.4f}  {tps:,.0f} tok/s  restarts {restarts}")
+                        if injector is not None:
+                            injector.observe(e["step"])
                     elif e["event"] == "restart":
                         restarts += 1
-            if any(p.returncode for p in procs if p.poll() is not None):
-                for p in procs:  # one replica failed for good: the job has failed
-                    if p.poll() is None:
-                        _terminate(p)
 
 
 def iter_lines(text: str) -> list[dict]:

@@ -203,8 +203,9 @@ class Attempt:
 
 
 def _port_base() -> int:
-    # MASTER_PORT changes on every rendezvous round, so ports derive from a fixed base.
-    return int(os.environ.get(PORT_BASE_ENV, 29600)) + 100 * int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    # Every rank of a rendezvous round must agree: the round's MASTER_PORT does (a fresh random port
+    # each round), the restart count does not (a replaced replica's launcher counts from 0 again).
+    return int(os.environ.get(PORT_BASE_ENV, 29600)) + 100 * (int(os.environ.get("MASTER_PORT", 0)) % 16)
 
 
 def make_store(attempt: Attempt, timeout_s: float) -> dist.Store | None:
