@@ -105,7 +105,7 @@ class MlflowServer:
         self.root = root
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 90) -> None:
+    def start(self, timeout: float = 240) -> None:  # ~10 s on an idle 2-core machine, minutes under load
         import time
         import urllib.request
 

@@ -20,15 +20,21 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from trainer.events import EVENTS_FILE, final_losses, read_events
 
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
 DEFAULT_EXPERIMENT = "resilient-fsdp"
 RUN_KEY_TAG = "rfsdp.run_key"
 """Tag holding the run directory's identity (a hash of its first ``run_start`` line)."""
-FINGERPRINT_TAG = "rfsdp.logged_fingerprint"
-"""Tag holding a hash of what was logged last (events + validation): equal means nothing to do."""
+EVENTS_HASH_TAG = "rfsdp.events_sha256"
+"""Tag holding a hash of the events last logged completely: equal means nothing new to log."""
+VALIDATION_HASH_TAG = "rfsdp.validation_sha256"
+"""Tag holding a hash of the validation report last logged."""
 RESTARTS_TABLE = "restarts.json"
 CHECKPOINTS_TABLE = "checkpoints.json"
 VALIDATION_ARTIFACT = "validation.json"
@@ -248,7 +254,7 @@ def artifact_location(tracking_uri: str, experiment: str) -> str | None:
     parsed = urlparse(tracking_uri)
     if parsed.scheme != "sqlite":
         return None
-    db = Path(tracking_uri.removeprefix("sqlite:///"))
+    db = Path(tracking_uri.removeprefix("sqlite:///")).resolve()
     return (db.parent / "artifacts" / experiment).as_uri()
 
 
@@ -280,6 +286,10 @@ def wait_for_server(tracking_uri: str, *, retries: int = 5, backoff_s: float = 1
     )
 
 
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 def run_key(events_path: Path) -> str:
     """Identity of a run directory: a hash of its first ``run_start`` line (stable if moved)."""
     with open(events_path, "rb") as f:
@@ -307,8 +317,10 @@ def log_run(
 
     The run is found again by the tag ``rfsdp.run_key`` (the identity of the run dir), so
     logging the same run dir twice reuses the run. If the events and validation report are
-    unchanged since the last successful logging nothing is written; if the run went on (a
-    resume), the new points are added and the summary, tables and artifacts are replaced.
+    unchanged since the last complete logging nothing is written; if the run went on (a
+    resume), everything is logged again: each metric point carries its event's own timestamp,
+    so points logged before are identical and the store drops them (no duplicates), new points
+    are added, and the tables and artifacts are replaced.
     Params come from the first session's config. The events never leave the run dir, so after
     a failure the same call can simply be repeated.
 
@@ -335,7 +347,9 @@ def log_run(
     key = run_key(events_path)
     # Fingerprint before reading: lines appended in between are logged now and again next time
     # (harmless duplicates the store drops) instead of being skipped for good.
-    fingerprint = hashlib.sha256(events_path.read_bytes() + json.dumps(validation, sort_keys=True).encode()).hexdigest()[:32]
+    hashes = {EVENTS_HASH_TAG: _sha256(events_path.read_bytes())}
+    if validation is not None:  # without a report, the one logged before (if any) stays
+        hashes[VALIDATION_HASH_TAG] = _sha256(json.dumps(validation, sort_keys=True).encode())
     events = read_events(run_dir)
     uri = resolve_tracking_uri(tracking_uri)
     again = f"The events stay unchanged in {events_path}: run `rfsdp log-mlflow --run-dir {run_dir}` again later."
@@ -348,7 +362,7 @@ def log_run(
     from requests.exceptions import RequestException
 
     try:
-        return _log(run_dir, events_path, events, uri, experiment, key, fingerprint, tags or {}, validation)
+        return _log(run_dir, events_path, events, uri, experiment, key, hashes, tags or {}, validation)
     except (MlflowException, RequestException, OSError) as e:
         raise TrackingError(f"logging {run_dir} to MLflow at {uri} failed: {e}. {again}") from e
 
@@ -360,7 +374,7 @@ def _log(
     uri: str,
     experiment: str,
     key: str,
-    fingerprint: str,
+    hashes: dict[str, str],
     tags: dict[str, str],
     validation: dict | None,
 ) -> str:
@@ -377,8 +391,12 @@ def _log(
         run_tags["rfsdp.valid"] = str(validation["valid"]).lower()
     if found:
         run = found[0]
-        if run.data.tags.get(FINGERPRINT_TAG) == fingerprint:
-            return run.info.run_id  # nothing new since the last successful logging
+        if all(run.data.tags.get(k) == v for k, v in hashes.items()):
+            # Nothing new since the last complete logging; only tags that differ (e.g. a new KFP run) are set.
+            changed = [RunTag(k, str(v)) for k, v in run_tags.items() if run.data.tags.get(k) != str(v)]
+            if changed:
+                client.log_batch(run.info.run_id, tags=changed)
+            return run.info.run_id
         run_id = run.info.run_id
     else:
         run_id = client.create_run(experiment_id, start_time=int(events[0]["time"] * 1000), run_name=run_dir.name).info.run_id
@@ -399,15 +417,15 @@ def _log(
     client.log_artifact(run_id, str(events_path))
     if validation is not None:
         client.log_dict(run_id, validation, VALIDATION_ARTIFACT)
-    ends = [e for e in events if e["event"] == "run_end"]
-    finished = bool(ends) and ends[-1]["status"] in ("completed", "stopped") and events[-1] is ends[-1]
+    ends = [e for e in sessions(events)[-1] if e["event"] == "run_end"]  # how the latest session ended
+    finished = bool(ends) and ends[-1]["status"] in ("completed", "stopped")
     client.set_terminated(run_id, "FINISHED" if finished else "FAILED", end_time=int(events[-1]["time"] * 1000))
     # Last: only a complete logging marks the run as up to date.
-    client.set_tag(run_id, FINGERPRINT_TAG, fingerprint)
+    client.log_batch(run_id, tags=[RunTag(k, v) for k, v in hashes.items()])
     return run_id
 
 
-def _experiment_id(client: object, uri: str, name: str) -> str:
+def _experiment_id(client: MlflowClient, uri: str, name: str) -> str:
     from mlflow.exceptions import MlflowException
 
     existing = client.get_experiment_by_name(name)
