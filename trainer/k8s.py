@@ -190,7 +190,8 @@ def run_pytorchjob(
         KeyboardInterrupt: the caller was cancelled; the job has been deleted.
     """
     name, namespace = job.metadata.name, job.metadata.namespace
-    tc = training_client or TrainingClient(namespace=namespace or "default")
+    # Without a namespace the client takes the pod's own (its service account's namespace).
+    tc = training_client or (TrainingClient(namespace=namespace) if namespace else TrainingClient())
     namespace = namespace or tc.namespace
     tc.create_job(job=job, namespace=namespace)
     log(f"created {KIND} {namespace}/{name}")
@@ -208,10 +209,9 @@ def run_pytorchjob(
         raise JobFailed(f"{KIND} {namespace}/{name} could not be followed to completion: {e}") from e
     follower.join(timeout=poll_s)
     status = tc.api_client.sanitize_for_serialization(final).get("status", {})
-    conditions = status.get("conditions") or []
-    last = conditions[-1] if conditions else {}
-    if last.get("type") != kf.JOB_CONDITION_SUCCEEDED:
-        failed = next((c for c in reversed(conditions) if c.get("type") == kf.JOB_CONDITION_FAILED), last)
+    conditions = [c for c in status.get("conditions") or [] if c.get("status") == "True"]
+    if not any(c.get("type") == kf.JOB_CONDITION_SUCCEEDED for c in conditions):
+        failed = next((c for c in reversed(conditions) if c.get("type") == kf.JOB_CONDITION_FAILED), {})
         raise JobFailed(
             f"{KIND} {namespace}/{name} failed: {failed.get('reason', 'unknown reason')}: {failed.get('message', '')}".rstrip(": ")
         )
