@@ -53,7 +53,7 @@ METHODS = ("nvrx_async", "torch_save", "dcp_save", "dcp_async_save")
 REFERENCE = "torch_save"
 # Full size: base's width with 14 blocks, 99M parameters: 1.19 GB of fp32 params + AdamW moments
 # (over 1 GiB), with short sequences so a CPU step stays around a second.
-FULL = {"size": ModelSize(dim=768, layers=14, heads=12, seq_len=64), "batch": 1, "rounds": 6, "base_steps": 3}
+FULL = {"size": ModelSize(dim=768, layers=14, heads=12, seq_len=64), "batch": 1, "rounds": 5, "base_steps": 3}
 QUICK = {"size": ModelSize(dim=256, layers=4, heads=8, seq_len=64), "batch": 2, "rounds": 2, "base_steps": 2}
 MAX_INFLIGHT_STEPS = 500
 

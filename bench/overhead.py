@@ -26,7 +26,7 @@ from trainer.runtime import build_fsdp_model, detect_runtime, init_process_group
 from trainer.train import TrainState, lr_at, train_step
 
 METHODS = ("resilient", "plain")
-FULL = {"model": "small", "steps": 40, "reps": 3}
+FULL = {"model": "small", "steps": 30, "reps": 3}
 QUICK = {"model": "tiny", "steps": 12, "reps": 1}
 SKIP = 2  # warm-up steps left out of the throughput
 

@@ -41,12 +41,15 @@ def measure_recovery(events: list[dict]) -> dict:
     if not after:
         raise RuntimeError("no step completed after the fault")
     first = after[0]
-    layer = next((e["layer"] for e in events if e["event"] == "restart"), "cold")
+    restarts = [e for e in events if e["event"] == "restart"]
+    layer = next((e["layer"] for e in restarts if e["time"] > fault["time"]), "cold")
     return {
         "recovery_s": first["time"] - fault["time"],
         "lost_steps": max(before, default=0) - (first["step"] - 1),
         "resumed_from_step": first["step"] - 1,
         "layer": layer,
+        # Restarts before the injected fault: a step so slow on a loaded machine that a timeout fired.
+        "spurious_restarts": sum(e["time"] < fault["time"] for e in restarts),
     }
 
 
@@ -88,6 +91,7 @@ def run(quick: bool, work: Path, data: Path) -> dict:
             "recovery_s": median([r["recovery_s"] for r in runs]),
             "lost_steps": median([r["lost_steps"] for r in runs]),
             "layer": runs[0]["layer"],
+            "spurious_restarts": sum(r["spurious_restarts"] for r in runs),
             "runs": runs,
         }
     for fault in params["faults"]:
@@ -129,8 +133,9 @@ def show(result: dict) -> None:
                         fmt(r["recovery_s"], " s", 2),
                         fmt(r["ratio_vs_cold"], digits=2),
                         fmt(r["lost_steps"], digits=0),
+                        str(r["spurious_restarts"]),
                     ]
                 )
     title = f"recovery: fault at step {p['fault_step']} on rank {p['fault_rank']}, checkpoint every {p['ckpt_every']}, {p['reps']} rep(s)"
-    print_table(title, ["fault: method", "layer", "fault -> next step", "vs cold", "steps lost"], rows)
+    print_table(title, ["fault: method", "layer", "fault -> next step", "vs cold", "steps lost", "spurious restarts"], rows)
     print_targets(result["targets"])
