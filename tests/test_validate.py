@@ -146,6 +146,8 @@ def test_bad_input_exits_2_with_a_clear_message(baseline_60: Path, data_dir: Pat
     assert "has no published checkpoint" in refused("--run-dir", str(empty), "--data", str(data_dir))
     assert "does not exist" in refused("--run-dir", str(tmp_path / "nowhere"))
     assert "--step 7: " in refused("--run-dir", str(baseline_60), "--step", "7")
+    assert "--replay-steps must be at least 1" in refused("--run-dir", str(baseline_60), "--replay-steps", "0")
+    assert "--markdown: directory" in refused("--run-dir", str(baseline_60), "--markdown", str(tmp_path / "no" / "report.md"))
 
     other = copy_run(baseline_60, tmp_path)
     config = json.loads((other / "config.json").read_text())

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint import CheckpointException
 
 from trainer.checkpoint import (
     CHECKPOINTS,
@@ -317,8 +318,10 @@ def _validate_checkpoint(target: _Target, run_dir: Path) -> ValidationReport:
         t0 = time.perf_counter()
         try:
             checks[name] = runners[name](target)
-        except Exception as e:  # noqa: BLE001 (a check that breaks is a failed check, named with its cause)
-            checks[name] = Check(name, False, detail=f"{type(e).__name__}: {e}")
+        except (Exception, CheckpointException) as e:  # a check that breaks is a failed check, named with its cause
+            # One line: a failed rank's exception arrives with its whole traceback, the cause last.
+            cause = ([line for line in str(e).splitlines() if line.strip()] or [""])[-1]
+            checks[name] = Check(name, False, detail=f"{type(e).__name__}: {cause}")
         checks[name].values["seconds"] = round(time.perf_counter() - t0, 3)
     ordered = [checks[n] for n in CHECKS]
     return ValidationReport(
@@ -576,11 +579,20 @@ def _load_resharded(path: Path, cfg: TrainConfig, world_size: int) -> dict:
         # machine); the ranks use one intra-op thread, as DataLoader workers do after a fork.
         ctx = mp.start_processes(_reshard_worker, args=args, nprocs=world_size, join=False, start_method="fork")
         deadline = time.monotonic() + RESHARD_TIMEOUT_S
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                for proc in ctx.processes:
+        try:
+            while not ctx.join(timeout=1):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the {world_size}-rank load did not finish in {RESHARD_TIMEOUT_S:.0f} s")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException):
+            # The first rank that wrote down its error says why (the others mostly lost a peer).
+            errors = sorted(Path(tmp).glob("rank*.error"))
+            if not errors:
+                raise
+            raise RuntimeError(f"{errors[0].stem} of {world_size}: {errors[0].read_text()}") from None
+        finally:  # a rank that failed, timed out or was interrupted leaves no process behind
+            for proc in ctx.processes:
+                if proc.is_alive():
                     proc.kill()
-                raise TimeoutError(f"the {world_size}-rank load did not finish in {RESHARD_TIMEOUT_S:.0f} s")
         return torch.load(out, weights_only=False)
 
 
@@ -608,6 +620,9 @@ def _reshard_worker(rank: int, world_size: int, rdzv_file: str, path: str, cfg: 
         if rank == 0:
             torch.save({"model": full_model, "optim": full_optim}, out)
         dist.barrier()
+    except (Exception, dcp.CheckpointException) as e:  # DCP's own error is no Exception
+        Path(out).with_name(f"rank{rank}.error").write_text(f"{type(e).__name__}: {e}")
+        raise
     finally:
         dist.destroy_process_group()
 
