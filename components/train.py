@@ -68,7 +68,7 @@ def train(
 
     from trainer.checkpoint import latest_checkpoint
     from trainer.events import read_events
-    from trainer.launch import BACKENDS, job_from_parameters, launch_local
+    from trainer.launch import BACKENDS, check_run_dir, job_from_parameters, launch_local
     from trainer.tracking import summarize
 
     def cancelled(signum: int, frame: object) -> None:
@@ -90,6 +90,7 @@ def train(
         shared_data, shared_run = shared_paths(run_name)
         cfg, spec = job_from_parameters(params, data=shared_data, run_dir=shared_run)
         job = build_pytorchjob(cfg, spec, cluster_options(params))
+        check_run_dir(cfg)  # a rerun under the same run_name must be the same training config
         shutil.copytree(data.path, shared_data, dirs_exist_ok=True)
         run_pytorchjob(job)
         shutil.copytree(shared_run, run.path, dirs_exist_ok=True)

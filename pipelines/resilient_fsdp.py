@@ -308,19 +308,17 @@ def print_local_result(result: Mapping[str, Any], overrides: Mapping[str, Any]) 
 
     run_dir = Path(result["run_dir"])
     print_run_summary(run_dir)
-    table = Table(title="validation (the pipeline fails on an invalid checkpoint)")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    table.add_row("verdict", "valid")
-    for name, value in sorted(result["metrics"].items()):
-        table.add_row(name, f"{value:.6g}" if isinstance(value, float) else str(value))
-    console = Console()
-    console.print(table)
-    uri = resolve_tracking_uri(overrides.get("tracking_uri") or None)
-    where = Table(title="where things are", show_header=False)
-    where.add_row("run dir (artifact)", str(run_dir))
-    where.add_row("events", str(run_dir / EVENTS_FILE))
-    where.add_row("validation report", str(result["report"]))
-    where.add_row("MLflow run id", result["mlflow_run_id"])
-    where.add_row("MLflow UI", f"mlflow ui --backend-store-uri {uri}")
-    console.print(where)
+    metrics = result["metrics"]
+    checks = sorted(k.removesuffix("_passed") for k in metrics if k.endswith("_passed"))
+    table = Table(title=f"validation of step {int(metrics.get('step', 0))}: valid")
+    for column in ("check", "result", "seconds"):
+        table.add_column(column)
+    for check in checks:
+        table.add_row(check, "pass" if metrics[f"{check}_passed"] else "FAIL", f"{metrics.get(f'{check}_seconds', 0):.1f}")
+    Console().print(table)
+    # Plain lines, not a table: paths must not be cut to the terminal's width.
+    print(f"run dir:           {run_dir}")
+    print(f"events:            {run_dir / EVENTS_FILE}")
+    print(f"validation report: {result['report']}")
+    print(f"MLflow run id:     {result['mlflow_run_id']}")
+    print(f"MLflow UI:         mlflow ui --backend-store-uri {resolve_tracking_uri(overrides.get('tracking_uri') or None)}")

@@ -300,7 +300,7 @@ def test_run_local_whole_pipeline_with_a_fault(tmp_path: Path) -> None:
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    run_id = re.search(r"MLflow run id\s*│?\s*([0-9a-f]{32})", proc.stdout)[1]
+    run_id = re.search(r"MLflow run id:\s*([0-9a-f]{32})", proc.stdout)[1]
     (run_dir,) = (tmp_path / "root" / "pipeline_root").glob("*/train/run")
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     assert [e["layer"] for e in events if e["event"] == "restart"] == ["in_process"]
