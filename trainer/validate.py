@@ -125,7 +125,7 @@ class ValidationReport:
             fell_back = f" (newer ones invalid: {', '.join(step_dir_name(r['step']) for r in self.rejected)})" if self.rejected else ""
             return f"{name} is valid: {', '.join(c.name for c in self.checks)} passed{fell_back}"
         first = next(c for c in self.checks if c.name in self.failed)
-        return f"{name} is invalid: {', '.join(self.failed)} failed ({first.name}: {first.detail})"
+        return f"{name} is invalid: {', '.join(self.failed)} failed ({first.detail})"
 
     def to_dict(self) -> dict:
         """The JSON verdict (non-finite numbers become strings so that the JSON stays standard)."""
