@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Protocol
 
-from trainer.checkpoint import CHECKPOINTS, LATEST, MANIFEST
+from trainer.checkpoint import CHECKPOINTS, LATEST, MANIFEST, step_dir_name
 from trainer.data import MANIFEST as DATA_MANIFEST
 from trainer.data import verify_shards
 from trainer.events import EVENTS_FILE
@@ -54,6 +55,10 @@ class StorageError(ValueError):
     A ``ValueError`` so that the CLI reports it as bad input (one line, no traceback). The
     message names the URI, never a credential.
     """
+
+
+class ChecksumError(StorageError):
+    """An object's bytes differ from its recorded or expected SHA-256."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -368,7 +373,7 @@ def _verified_local_sha256(local: Path, expected: str | None, url: str) -> str:
 def _check_digest(actual: str, expected: str | None, recorded: str | None, url: str) -> None:
     for what, want in (("the expected checksum", expected), ("the checksum recorded with the object", recorded)):
         if want is not None and actual != want:
-            raise StorageError(f"{url} fails its checksum: sha256 {actual[:12]}... differs from {what} {want[:12]}... (corrupt object)")
+            raise ChecksumError(f"{url} fails its checksum: sha256 {actual[:12]}... differs from {what} {want[:12]}... (corrupt object)")
 
 
 class _Readable(Protocol):
@@ -456,9 +461,11 @@ def _mkdir(path: Path) -> Path:
     return path
 
 
-def download_checkpoint(store: Storage, name: str, dest: Path) -> Path:
+def download_checkpoint(store: Storage, name: str, dest: Path, *, skip_corrupt: bool = False) -> Path:
     """Download the remote checkpoint ``checkpoints/<name>/`` into ``dest`` (which must not exist):
     the manifest first, then every file it lists, each verified against the manifest's checksum.
+    With ``skip_corrupt`` a file that fails its checksum is left out instead of raising (a
+    validator then reports the checkpoint incomplete).
     """
     prefix = f"{CHECKPOINTS}/{check_key(store.uri, name)}"
     manifest_bytes = store.read_bytes(f"{prefix}/{MANIFEST}")
@@ -468,7 +475,11 @@ def download_checkpoint(store: Storage, name: str, dest: Path) -> Path:
         raise StorageError(f"{store.url(prefix)}: unreadable checkpoint manifest ({e})") from None
     dest.mkdir(parents=True)
     for file, rec in files.items():
-        store.download(f"{prefix}/{file}", dest / check_key(store.uri, file), sha256=rec["sha256"])
+        try:
+            store.download(f"{prefix}/{file}", dest / check_key(store.uri, file), sha256=rec["sha256"])
+        except ChecksumError:
+            if not skip_corrupt:
+                raise
     (dest / MANIFEST).write_bytes(manifest_bytes)
     return dest
 
@@ -480,12 +491,23 @@ def remote_latest(store: Storage) -> str | None:
     return check_key(store.uri, store.read_bytes(f"{CHECKPOINTS}/{LATEST}").decode().strip())
 
 
-def fetch_run_dir(uri: str, dest: Path) -> Path:
-    """Download a remote run dir (``events.jsonl``, ``config.json`` and the checkpoint the remote
-    ``latest`` marker names) into ``dest`` and return it; a local ``uri`` is returned as is.
+def remote_checkpoints(store: Storage, *, upto: str) -> list[tuple[int, str]]:
+    """Remote checkpoint dirs up to (including) ``upto``, as ``(step, name)`` oldest first (newer
+    ones may be partial uploads).
+    """
+    limit = int(upto.removeprefix("step_"))
+    names = {key.split("/")[1] for key in store.list(CHECKPOINTS) if key.count("/") >= 2}
+    steps = sorted(int(n.removeprefix("step_")) for n in names if re.fullmatch(r"step_\d{6}", n))
+    return [(s, step_dir_name(s)) for s in steps if s <= limit]
 
-    Every object is verified by checksum. Used by ``rfsdp validate`` / ``rfsdp log-mlflow`` on an
-    ``s3://`` run dir (a checkpoint mirror's ``--checkpoint-uri``).
+
+def fetch_run_dir(uri: str, dest: Path) -> Path:
+    """Download a remote run dir (``events.jsonl``, ``config.json``, the remote ``latest`` marker
+    and every checkpoint up to it) into ``dest`` and return it; a local ``uri`` is returned as is.
+
+    Every object is verified by checksum; a checkpoint file that fails it is left out, so that the
+    local copy shows the remote one's damage. Used by ``rfsdp validate`` / ``rfsdp log-mlflow`` on
+    an ``s3://`` run dir (a checkpoint mirror's ``--checkpoint-uri``).
     """
     if not is_remote(uri):
         return Path(str(uri).removeprefix("file://"))
@@ -498,7 +520,8 @@ def fetch_run_dir(uri: str, dest: Path) -> Path:
     latest = remote_latest(store)
     if latest is not None:
         root = dest / CHECKPOINTS
-        shutil.rmtree(root / latest, ignore_errors=True)
-        download_checkpoint(store, latest, root / latest)
+        for _, name in remote_checkpoints(store, upto=latest):
+            shutil.rmtree(root / name, ignore_errors=True)
+            download_checkpoint(store, name, root / name, skip_corrupt=True)
         (root / LATEST).write_text(latest + "\n")
     return dest

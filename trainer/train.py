@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -20,13 +22,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from trainer.checkpoint import Checkpointer, CheckpointWriter, SyncDcpWriter, rank_state_file
+from trainer.checkpoint import Checkpointer, CheckpointWriter, SyncDcpWriter, published_checkpoints, rank_state_file
 from trainer.config import Timeouts, TrainConfig, add_train_arguments
 from trainer.data import TokenLoader, load_split
 from trainer.events import EventLog, describe_restart, read_events
 from trainer.faults import FaultInjector
+from trainer.mirror import CheckpointMirror
 from trainer.resilience import AsyncCheckpointWriter, Attempt, RankMonitor, make_store, run_restartable
 from trainer.runtime import build_fsdp_model, detect_runtime, init_process_group, rng_state, set_rng_state
+from trainer.storage import local_data
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -79,8 +83,8 @@ def train_step(state: TrainState, lr: float, grad_clip: float, device: torch.dev
     return total.item() / dist.get_world_size()
 
 
-def train(cfg: TrainConfig, writer: CheckpointWriter, attempt: Attempt) -> None:
-    """One incarnation of the training function: set up, resume, loop, finish."""
+def train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror | None, attempt: Attempt) -> None:
+    """One incarnation of the training function: set up, resume, loop, finish (``mirror``: rank 0's, if any)."""
     rt = detect_runtime()
     timeouts = Timeouts(cfg.hang_timeout, cfg.inprocess_restart)
     init_process_group(rt, make_store(attempt, timeouts.barrier), timeouts.collective)
@@ -95,13 +99,16 @@ def train(cfg: TrainConfig, writer: CheckpointWriter, attempt: Attempt) -> None:
     monitor = RankMonitor()
     model = build_fsdp_model(cfg.size, rt, cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    loader = TokenLoader(load_split(Path(cfg.data), "train"), cfg.size.seq_len, cfg.batch_size, rt.rank, rt.world_size)
+    loader = TokenLoader(load_split(local_data(cfg.data, run_dir), "train"), cfg.size.seq_len, cfg.batch_size, rt.rank, rt.world_size)
     state = TrainState(model, optimizer, loader, monitor, ckpt_group)
     checkpointer = Checkpointer(
         run_dir, writer=writer, group=ckpt_group, events=events, every=cfg.ckpt_every,
         keep_last=cfg.keep_last, fingerprint=cfg.trajectory_hash(), heartbeat=monitor.heartbeat,
+        on_published=mirror.submit if mirror else None,
     )  # fmt: skip
     faults = FaultInjector(cfg.faults, run_dir, rt.rank, events)
+    if mirror is not None and not published_checkpoints(checkpointer.root):  # a fresh machine: resume from the mirror
+        mirror.restore(fingerprint=cfg.trajectory_hash(), world_size=rt.world_size)
     start = checkpointer.load_latest(state.load)
     if rt.rank == 0 and layer is None:
         events.emit("run_start", config=cfg.to_dict(), resumed_from_step=start, world_size=rt.world_size)
@@ -138,13 +145,17 @@ def main(argv: list[str] | None = None) -> None:
     cuda = torch.cuda.is_available()
     # One writer per process: its background worker survives in-process restarts.
     writer = AsyncCheckpointWriter(cuda=cuda) if cfg.ckpt_mode == "async" else SyncDcpWriter()
+    primary = cfg.checkpoint_uri and os.environ.get("RANK") == "0"
+    mirror = CheckpointMirror(cfg.checkpoint_uri, Path(cfg.run_dir), keep_last=cfg.keep_last) if primary else None
     try:
         if cfg.inprocess_restart:
-            run_restartable(partial(train, cfg, writer), Timeouts(cfg.hang_timeout, True), cuda=cuda)
+            run_restartable(partial(train, cfg, writer, mirror), Timeouts(cfg.hang_timeout, True), cuda=cuda)
         else:
-            train(cfg, writer, Attempt())
+            train(cfg, writer, mirror, Attempt())
     finally:
         writer.close()
+        if mirror is not None:  # a failing process must not delay its restart for an upload
+            mirror.close(wait=sys.exc_info()[0] is None)
 
 
 if __name__ == "__main__":  # required: NVRx's checkpoint worker is started with spawn
