@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -60,6 +62,19 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _local_run_dir(uri: str) -> Path:
+    """``--run-dir`` as a local directory: an ``s3://`` run dir (a ``--checkpoint-uri``) is fetched,
+    checksums verified, into a temporary directory removed when the command exits.
+    """
+    from trainer.storage import fetch_run_dir, is_remote
+
+    if not is_remote(uri):
+        return Path(uri)
+    tmp = tempfile.mkdtemp(prefix="rfsdp-run-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    return fetch_run_dir(uri, Path(tmp) / "run")
+
+
 def _validate(args: argparse.Namespace) -> int:
     import json
 
@@ -69,7 +84,7 @@ def _validate(args: argparse.Namespace) -> int:
     if args.markdown and not Path(args.markdown).parent.is_dir():
         raise ValueError(f"--markdown: directory {Path(args.markdown).parent} does not exist")
     report = validate_run(
-        Path(args.run_dir),
+        _local_run_dir(args.run_dir),
         step=args.step,
         data=Path(args.data) if args.data else None,
         fallback=args.fallback,
@@ -102,7 +117,7 @@ def _log_mlflow(args: argparse.Namespace) -> int:
             raise ValueError(f"--validation: cannot read a JSON report from {args.validation} ({e})") from e
     try:
         run_id = log_run(
-            Path(args.run_dir),
+            _local_run_dir(args.run_dir),
             tracking_uri=args.tracking_uri,
             experiment=args.experiment,
             tags=tags,
@@ -179,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_train)
 
     p = sub.add_parser("validate", help="prove a run's checkpoint is usable: JSON verdict; exit 0 valid, 1 invalid, 2 could not run")
-    p.add_argument("--run-dir", required=True, help="run directory with checkpoints/ and events.jsonl")
+    p.add_argument("--run-dir", required=True, help="run directory with checkpoints/ and events.jsonl (or an s3:// --checkpoint-uri)")
     p.add_argument("--step", type=int, help="validate this published checkpoint (default: the latest)")
     p.add_argument("--data", help="prepared data directory (default: the one the run recorded)")
     p.add_argument("--fallback", action="store_true", help="when it is invalid, report the newest older checkpoint that is valid")
@@ -189,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_validate)
 
     p = sub.add_parser("log-mlflow", help="log a run dir to MLflow (one run per run dir, idempotent); prints the run id")
-    p.add_argument("--run-dir", required=True, help="run directory with events.jsonl")
+    p.add_argument("--run-dir", required=True, help="run directory with events.jsonl (or an s3:// --checkpoint-uri)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else sqlite in work/mlflow/)")
     p.add_argument("--experiment", default="resilient-fsdp", help="MLflow experiment name")
     p.add_argument("--validation", help="JSON file with the `rfsdp validate` verdict, logged as an artifact")
