@@ -192,5 +192,7 @@ class CheckpointMirror:
         for name in RUN_FILES:
             path = self.run_dir / name
             if path.is_file():
-                text = path.read_bytes()
-                self.store.write_bytes(name, text[: text.rfind(b"\n") + 1])  # whole lines only: a writer may be mid-line
+                data = path.read_bytes()
+                if name == EVENTS_FILE:  # whole lines only: another rank or thread may be appending one
+                    data = data[: data.rfind(b"\n") + 1]
+                self.store.write_bytes(name, data)
