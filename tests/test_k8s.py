@@ -144,6 +144,7 @@ class FakeApiServer:
         self.requests: list[tuple[str, str, dict | None]] = []
         self.jobs: dict[str, dict] = {}
         self.gets = 0
+        self.on_get = lambda gets: None
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -193,6 +194,7 @@ class FakeApiServer:
                     outer.gets += 1
                     step = min(outer.gets, len(outer.script)) - 1
                     self._send(200, {**outer.jobs[name], "status": {"conditions": outer.script[: step + 1]}})
+                    outer.on_get(outer.gets)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
@@ -273,11 +275,10 @@ def test_run_pytorchjob_fails_with_the_jobs_reason() -> None:
 
 def test_cancel_deletes_the_job() -> None:
     with FakeApiServer([condition("Created"), condition("Running")]) as api:
-        timer = threading.Timer(2.5, _thread.interrupt_main)  # what the step's SIGTERM handler raises
-        timer.start()
+        # Cancel while the step is polling the running job: what the step's SIGTERM handler raises.
+        api.on_get = lambda gets: _thread.interrupt_main() if gets == 3 else None
         with pytest.raises(KeyboardInterrupt):
-            run_pytorchjob(job_for(), training_client=api.client(), poll_s=1, log=lambda s: None)
-        timer.cancel()
+            run_pytorchjob(job_for(), training_client=api.client(), poll_s=1, timeout_s=60, log=lambda s: None)
     assert ("DELETE", f"{JOBS}/exp-1") in api.calls()
     assert api.jobs == {}
     assert_rbac_allows(api.calls())
@@ -285,6 +286,6 @@ def test_cancel_deletes_the_job() -> None:
 
 def test_a_job_deleted_by_someone_else_fails_the_step() -> None:
     with FakeApiServer([condition("Created"), condition("Running")]) as api:
-        threading.Timer(1.5, lambda: api.jobs.clear()).start()
-        with pytest.raises(JobFailed, match="could not be followed"):
-            run_pytorchjob(job_for(), training_client=api.client(), poll_s=1, log=lambda s: None)
+        api.on_get = lambda gets: api.jobs.clear() if gets == 2 else None
+        with pytest.raises(JobFailed, match="could not be followed to completion: Failed to get PyTorchJob"):
+            run_pytorchjob(job_for(), training_client=api.client(), poll_s=1, timeout_s=60, log=lambda s: None)
