@@ -274,15 +274,13 @@ def test_run_local_whole_pipeline_with_a_fault(tmp_path: Path) -> None:
     """`rfsdp pipeline run-local` through kfp.local: an exception on rank 1 recovered in-process, a
     checkpoint the validation step finds valid, an MLflow run that counts the restart.
 
-    Runs on the default 1 replica x 2 processes: on 2 replicas x 1 process the trainer gives each
-    rank cpu_count // LOCAL_WORLD_SIZE intra-op threads (trainer/runtime.py), so its float results
-    differ from the validator's 1 x 2 replay and the `replays` check fails (reported; the
-    2-replica launch itself is covered by the test above).
+    Runs on 2 replicas x 1 process (multi-node rendezvous); the validator replays on 1 x 2, which
+    must give the same bits (one intra-op thread per rank, whatever the topology).
     """
     import mlflow
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    settings = ["steps=12", "ckpt_every=4", "fault=exception@6:1", f"tracking_uri={uri}", "experiment=e2e"]
+    settings = ["steps=12", "ckpt_every=4", "nnodes=2", "nproc_per_node=1", "fault=exception@6:1", f"tracking_uri={uri}", "experiment=e2e"]
     proc = subprocess.run(
         [
             sys.executable,

@@ -43,8 +43,9 @@ def detect_runtime() -> Runtime:
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        # One intra-op thread per rank: the thread count changes how CPU kernels split their
+        # sums, so it must not depend on the topology (2 nodes x 1 vs 1 node x 2) or the machine.
+        torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True, warn_only=True)
     return Runtime(device, backend, int(os.environ["RANK"]), local_rank, int(os.environ["WORLD_SIZE"]))
 
