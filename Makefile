@@ -35,7 +35,7 @@ COMPARE_DIR = work/compare/$(COMPARE_EXPERIMENT)
 COMPARE_FAULT ?= exception@12:1,sigkill@27:0
 
 define compare_run
-	$(RFSDP) train --quiet --data $(COMPARE_DIR)/data --run-dir $(COMPARE_DIR)/$(1) --steps 40 --ckpt-every 5 --hang-timeout 6 $(2)
+	$(RFSDP) train --quiet --data $(COMPARE_DIR)/data --run-dir $(COMPARE_DIR)/$(1) --steps 40 --ckpt-every 5 $(2)
 	$(RFSDP) log-mlflow --run-dir $(COMPARE_DIR)/$(1) --experiment $(COMPARE_EXPERIMENT)
 endef
 
