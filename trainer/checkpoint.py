@@ -338,6 +338,16 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return pointer.parent / pointer.read_text().strip()
 
 
+def load_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path, group: dist.ProcessGroup | None = None) -> None:
+    """Load a checkpoint's model and optimizer tensors into an FSDP model (DCP reshards to any world size)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    tensors = {"model": model_sd, "optim": optim_sd}
+    dcp.load(tensors, checkpoint_id=path, process_group=group)
+    set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"])
+
+
 def read_full_state(path: Path) -> dict:
     """A published checkpoint's tensors as one unsharded state dict, in a single process with
     no process group (DCP reshards on load).

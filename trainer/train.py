@@ -19,10 +19,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from trainer.checkpoint import Checkpointer, CheckpointWriter, SyncDcpWriter, published_checkpoints, rank_state_file
+from trainer.checkpoint import Checkpointer, CheckpointWriter, SyncDcpWriter, load_tensors, published_checkpoints, rank_state_file
 from trainer.config import Timeouts, TrainConfig, add_train_arguments
 from trainer.data import TokenLoader, load_split
 from trainer.events import EventLog, describe_restart, read_events
@@ -58,10 +57,7 @@ class TrainState:
 
     def load(self, path: Path) -> None:
         """Restore everything from a published checkpoint directory."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        tensors = {"model": model_sd, "optim": optim_sd}
-        dcp.load(tensors, checkpoint_id=path, process_group=self.group)
-        set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"])
+        load_tensors(self.model, self.optimizer, path, self.group)
         rank_state = torch.load(path / rank_state_file(dist.get_rank()), weights_only=False)
         self.loader.load_state_dict(rank_state["loader"])
         set_rng_state(rank_state["rng"])

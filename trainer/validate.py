@@ -602,8 +602,9 @@ def _reshard_worker(rank: int, world_size: int, rdzv_file: str, path: str, cfg: 
 
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+    from trainer.checkpoint import load_tensors
     from trainer.runtime import Runtime, build_fsdp_model
 
     torch.set_num_threads(1)
@@ -612,10 +613,7 @@ def _reshard_worker(rank: int, world_size: int, rdzv_file: str, path: str, cfg: 
     try:
         model = build_fsdp_model(cfg.size, Runtime(torch.device("cpu"), "gloo", rank, rank, world_size), cfg.seed)
         optimizer = torch.optim.AdamW(model.parameters())
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        tensors = {"model": model_sd, "optim": optim_sd}
-        dcp.load(tensors, checkpoint_id=path)
-        set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"])
+        load_tensors(model, optimizer, Path(path))
         full_model, full_optim = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:
             torch.save({"model": full_model, "optim": full_optim}, out)
