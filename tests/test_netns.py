@@ -272,9 +272,13 @@ def test_cut_off_rank_never_publishes(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- training through node loss and partitions
 @pytest.fixture(scope="module")
 def baseline_2(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted 40-step run of world size 2 (one replica of 2 processes, no namespaces)."""
+    """An uninterrupted 40-step run on 2 hosts x 1 process. Same world size is not enough: a
+    1 x 2 run differs in the last bits (a rank's intra-op threads are CPUs / processes per node).
+    """
+    if PROBLEM is not None:
+        pytest.skip(f"namespace cluster unavailable here: {PROBLEM}")
     run = tmp_path_factory.mktemp("netns_baseline2") / "run"
-    train(data_dir, run, "--steps", STEPS, "--ckpt-every", "5")
+    netns_train(data_dir, run, 1, "--steps", STEPS)
     return run
 
 
@@ -318,11 +322,12 @@ def test_partition_2x1_detected_recovered_nothing_published_while_cut(data_dir: 
 
 @needs_netns
 def test_2x2_node_loss_and_partition_exact(data_dir: Path, tmp_path: Path) -> None:
-    """Two hosts of two processes: loss of host 1, then of host 0, then a partition of host 1;
-    every step's final loss equals an uninterrupted 2x2 run's.
+    """Two hosts of two processes: loss of host 0 (the rendezvous endpoint), then a partition of
+    host 1 longer than the heartbeat timeout; every step's final loss equals an uninterrupted 2x2
+    run's. (Losing host 1 is the 2x1 test's first fault; each recovery costs ~45 s here.)
     """
     baseline, run = tmp_path / "baseline", tmp_path / "run"
     netns_train(data_dir, baseline, 2, "--steps", "30")
-    netns_train(data_dir, run, 2, "--steps", "30", "--fault", "node-loss@8:1,node-loss@16:0,partition@23:1:12", "--max-restarts", "6")
+    netns_train(data_dir, run, 2, "--steps", "30", "--fault", "node-loss@9:0,partition@21:1:12", "--max-restarts", "5")
     assert losses(run) == losses(baseline) and len(losses(run)) == 30
     print(f"\n2 hosts x 2 processes: {json.dumps(recoveries(run))}")

@@ -34,7 +34,7 @@ SUBNET = "198.18.0"
 """Host ``i`` gets ``198.18.0.(i+1)/24``."""
 RDZV_PORT = 29400
 _PREFIX = "rfsdp"
-_OWNED = re.compile(rf"^{_PREFIX}(\d+)-(?:sw|h\d+)$")
+_OWNED = re.compile(rf"^{_PREFIX}(\d+)-(?:sw|h\d+|probe)$")
 
 
 class NetnsUnavailable(ValueError):
