@@ -136,3 +136,15 @@ def test_launch_refuses_bad_input_before_starting(tmp_path: Path, data_dir: Path
     (run / "config.json").write_text(json.dumps({"model": "small", "seed": 0}))
     with pytest.raises(ValueError, match="another training config"):
         check_launch(TrainConfig(data=str(data_dir), run_dir=str(run)), LaunchSpec())
+
+
+def test_recovery_layer() -> None:
+    from trainer.events import recovery_layer
+
+    crashed = [{"event": "run_start"}, {"event": "step", "step": 1}]
+    finished = [*crashed, {"event": "run_end", "status": "stopped"}]
+    assert recovery_layer(crashed, in_process_iteration=1, in_job_restart=0) == "in_process"
+    assert recovery_layer(finished, in_process_iteration=0, in_job_restart=2) == "in_job"
+    assert recovery_layer(crashed, in_process_iteration=0, in_job_restart=0) == "in_job"  # a replaced replica
+    assert recovery_layer(finished, in_process_iteration=0, in_job_restart=0) is None  # a deliberate resume
+    assert recovery_layer([], in_process_iteration=0, in_job_restart=0) is None

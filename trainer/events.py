@@ -56,6 +56,21 @@ def final_losses(events: list[dict]) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in events if e["event"] == "step"}
 
 
+def recovery_layer(prior: list[dict], *, in_process_iteration: int, in_job_restart: int) -> str | None:
+    """Which layer brought this incarnation of the trainer back (None: a fresh or deliberate start).
+
+    A replica restarted by its supervisor (a pod's ``restartPolicy``, the netns harness) runs a
+    fresh ft_launcher whose restart count is 0 again: it is recognised by the run it continues,
+    whose last session never ended (a ``run_start`` after the last ``run_end``).
+    """
+    if in_process_iteration:
+        return "in_process"
+    if in_job_restart:
+        return "in_job"
+    sessions = [e["event"] for e in prior if e["event"] in ("run_start", "run_end")]
+    return "in_job" if sessions and sessions[-1] == "run_start" else None
+
+
 def describe_restart(prior: list[dict], *, layer: str, resumed_from: int, first_step_time: float) -> dict:
     """Fields of the ``restart`` event for a recovery, from the events written before it.
 

@@ -25,6 +25,7 @@ from kubeflow.training.constants import constants as kf
 from kubernetes import client as k8s
 
 from trainer.config import TrainConfig
+from trainer.faults import NodeFault
 from trainer.launch import DEFAULT_RDZV_PORT, LaunchSpec, worker_command
 
 API_VERSION = "kubeflow.org/v1"
@@ -104,6 +105,9 @@ def build_pytorchjob(cfg: TrainConfig, spec: LaunchSpec, opts: ClusterOptions) -
 
     ``cfg.data`` and ``cfg.run_dir`` must be paths on the shared volume (under ``WORKSPACE_MOUNT``).
     """
+    node_faults = [f.key for f in cfg.faults if isinstance(f, NodeFault)]
+    if node_faults:  # fired by the local netns harness; nothing in a PyTorchJob would fire them
+        raise ValueError(f"fault: {', '.join(node_faults)} are node-level faults, which only the local --netns cluster can inject")
     for flag, path in (("data", cfg.data), ("run_dir", cfg.run_dir)):
         if not path.startswith(WORKSPACE_MOUNT + "/"):
             raise ValueError(f"{flag}: {path!r} is not on the shared volume ({WORKSPACE_MOUNT}), so the workers cannot see it")

@@ -174,6 +174,14 @@ class RankMonitor:
             RankMonitor._client = RankMonitorClient()
             RankMonitor._client.init_workload_monitoring()
 
+    def stop(self) -> None:
+        """Stop being monitored: training is over, and closing down (final uploads, interpreter
+        exit) must not count as a hang.
+        """
+        if RankMonitor._client is not None:
+            RankMonitor._client.shutdown_workload_monitoring()
+            RankMonitor._client = None
+
     def heartbeat(self) -> None:
         """Tell the monitor this rank is alive."""
         if self._client is not None:

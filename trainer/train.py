@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from trainer.checkpoint import Checkpointer, CheckpointWriter, SyncDcpWriter, load_tensors, published_checkpoints, rank_state_file
 from trainer.config import Timeouts, TrainConfig, add_train_arguments
 from trainer.data import TokenLoader, load_split
-from trainer.events import EventLog, describe_restart, read_events
+from trainer.events import EventLog, describe_restart, read_events, recovery_layer
 from trainer.faults import FaultInjector
 from trainer.mirror import CheckpointMirror
 from trainer.resilience import AsyncCheckpointWriter, Attempt, RankMonitor, make_store, run_restartable
@@ -89,8 +89,8 @@ def train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror |
     ckpt_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeouts.barrier))
     run_dir = Path(cfg.run_dir)
     events = EventLog(run_dir, rt.rank)
-    layer = "in_process" if attempt.in_process_iteration else "in_job" if attempt.in_job_restart else None
-    prior = read_events(run_dir) if layer and rt.rank == 0 else []
+    prior = read_events(run_dir) if rt.rank == 0 else []
+    layer = recovery_layer(prior, in_process_iteration=attempt.in_process_iteration, in_job_restart=attempt.in_job_restart)
 
     monitor = RankMonitor()
     model = build_fsdp_model(cfg.size, rt, cfg.seed)
@@ -106,7 +106,7 @@ def train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror |
     if mirror is not None and not published_checkpoints(checkpointer.root):  # a fresh machine: resume from the mirror
         mirror.restore(fingerprint=cfg.trajectory_hash(), world_size=rt.world_size)
     start = checkpointer.load_latest(state.load)
-    if rt.rank == 0 and layer is None:
+    if rt.rank == 0 and layer is None:  # (layer is only known on rank 0, which writes these events)
         events.emit("run_start", config=cfg.to_dict(), resumed_from_step=start, world_size=rt.world_size)
 
     last = cfg.stop_at_step or cfg.steps
@@ -128,6 +128,7 @@ def train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror |
     except BaseException:
         checkpointer.abandon()  # unpublished: the next incarnation resumes from the last durable one
         raise
+    monitor.stop()
     if rt.rank == 0:
         events.emit("run_end", status="completed" if last == cfg.steps else "stopped", step=last)
     dist.destroy_process_group()
