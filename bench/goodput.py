@@ -49,7 +49,6 @@ def measure_goodput(events: list[dict], wall_s: float) -> dict:
 def run_one(method: str, run_dir: Path, data: Path, params: dict) -> dict:
     """One run of the fault schedule with ``method``; its goodput figures."""
     fresh_dir(run_dir)
-    hard_faults = sum(kind in ("sigkill", "hang", "exit") for kind in params["fault"].split(","))
     common = {
         "data": str(data),
         "run_dir": str(run_dir),
@@ -59,6 +58,7 @@ def run_one(method: str, run_dir: Path, data: Path, params: dict) -> dict:
     }
     if method == "resilient":
         cfg = TrainConfig(**common, fault=params["fault"])
+        hard_faults = sum(f.kind != "exception" for f in cfg.faults)  # the ones in-process restart leaves to ft_launcher
         code, wall = run_rfsdp(cfg, max_restarts=hard_faults + 1)
     else:  # every fault is a process failure for torchrun
         cfg = TrainConfig(**common, fault=params["fault"], ckpt_mode="sync", inprocess_restart=False)
