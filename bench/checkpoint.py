@@ -121,9 +121,7 @@ class _TorchSave:
         return True
 
     def cleanup(self) -> None:
-        if dist.get_rank() == 0:
-            for path in self.root.glob("step_*"):
-                shutil.rmtree(path)
+        _remove_saves(self.root)
 
     def close(self) -> None:
         pass
@@ -149,12 +147,17 @@ class _DcpAsyncSave:
         return True
 
     def cleanup(self) -> None:
-        if dist.get_rank() == 0:
-            for path in self.root.glob("step_*"):
-                shutil.rmtree(path)
+        _remove_saves(self.root)
 
     def close(self) -> None:
         pass
+
+
+def _remove_saves(root: Path) -> None:
+    """Rank 0 deletes a method's saves between rounds."""
+    if dist.get_rank() == 0:
+        for path in root.glob("step_*"):
+            shutil.rmtree(path)
 
 
 def _all(flag: bool, group: dist.ProcessGroup) -> bool:
