@@ -25,9 +25,7 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def rfsdp(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run the real `rfsdp` CLI in a subprocess."""
-    return subprocess.run(
-        [sys.executable, "-m", "trainer.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
-    )
+    return subprocess.run([sys.executable, "-m", "trainer.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def train(data: Path, run_dir: Path, *extra: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
