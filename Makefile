@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 RFSDP := $(VENV)/bin/rfsdp
 DEMO := work/demo
 
-.PHONY: setup test demo compare lint bench clean
+.PHONY: setup test stress demo compare lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -20,6 +20,10 @@ $(VENV)/.installed: pyproject.toml
 
 test: setup
 	$(PY) -m pytest -q -ra
+
+# The in-flight-save fault stress alone, 20 runs (half of them beside busy loops on every core).
+stress: setup
+	RFSDP_STRESS_REPEAT=20 $(PY) -m pytest -q -ra -m stress
 
 demo: setup
 	rm -rf $(DEMO)

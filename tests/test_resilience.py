@@ -1,8 +1,18 @@
-"""Issue 3: real faults under ft_launcher (2 CPU ranks): the right layer recovers each, and the
-trajectory equals an uninterrupted run's bit for bit; async checkpoints are consistent."""
+"""Real faults under ft_launcher (2 CPU ranks): the right layer recovers each, and the trajectory
+equals an uninterrupted run's bit for bit; async checkpoints are consistent.
+
+Nothing here depends on how fast a write is compared with a step (steps outrun the background
+writer on a quiet machine, and fall behind it under load): faults that must meet a save in flight
+fire at a phase of that save (``KIND@STEP/PHASE``), and where a fault meets whatever happens to be
+durable, the expectation is read from the run's own events.
+"""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -10,12 +20,19 @@ import torch
 
 from tests.conftest import losses, train
 from tests.test_training import assert_same_tensors
-from trainer.checkpoint import CHECKPOINTS, latest_checkpoint, read_full_state, verify_checkpoint
+from trainer.checkpoint import CHECKPOINTS, SAVE_PHASES, latest_checkpoint, read_full_state, step_dir_name, verify_checkpoint
 from trainer.events import read_events
 
 
 def restarts(run: Path) -> list[dict]:
     return [e for e in read_events(run) if e["event"] == "restart"]
+
+
+def published_before_fault(run: Path) -> int:
+    """The newest checkpoint published before the (first) fault: where a recovery must resume."""
+    events = read_events(run)
+    fault_time = next(e["time"] for e in events if e["event"] == "fault")
+    return max((e["step"] for e in events if e["event"] == "checkpoint" and e["time"] < fault_time), default=0)
 
 
 @pytest.mark.parametrize(
@@ -29,7 +46,9 @@ def test_each_fault_is_recovered_exactly(data_dir: Path, baseline_60: Path, tmp_
     assert [(e["kind"], e["step"]) for e in events if e["event"] == "fault"] == [(fault.split("@")[0], 15)]
     (restart,) = restarts(run)
     assert restart["layer"] == layer
-    assert restart["resumed_from_step"] == 10 and restart["lost_steps"] == 4 and restart["recovery_s"] > 0
+    resumed = published_before_fault(run)  # step 10, unless its async write was still in flight at step 15
+    assert resumed in (0, 10)
+    assert restart["resumed_from_step"] == resumed and restart["lost_steps"] == 14 - resumed and restart["recovery_s"] > 0
     assert losses(run) == losses(baseline_60)
 
 
@@ -49,8 +68,10 @@ def test_all_four_faults_in_one_run(data_dir: Path, baseline_60: Path, tmp_path:
 
 
 def test_restarts_exhausted_keeps_last_good_checkpoint(data_dir: Path, tmp_path: Path) -> None:
+    """The second kill fires in step 30's save after its planning collective: every rank got there
+    only after step 20 was published (a save first waits for the one before it)."""
     run = tmp_path / "run"
-    proc = train(data_dir, run, "--steps", "40", "--fault", "sigkill@15:0,sigkill@25:1", "--max-restarts", "1", check=False)
+    proc = train(data_dir, run, "--steps", "40", "--fault", "sigkill@15:0,sigkill@30/plan:1", "--max-restarts", "1", check=False)
     assert proc.returncode == 1 and "failed" in proc.stderr
     events = read_events(run)
     assert events[-1]["event"] == "run_end" and events[-1]["status"] == "failed"
@@ -71,18 +92,54 @@ def test_async_checkpoint_equals_state_at_its_step(data_dir: Path, baseline_60: 
 
 
 def test_sigkill_during_background_write_never_publishes_it(data_dir: Path, tmp_path: Path) -> None:
-    """A larger model makes each async write take long enough that a kill right after the save
-    was scheduled lands while the background worker is still writing."""
+    """Rank 1 is killed right after handing its step-10 write to the background worker: the write
+    is never finalized, so never published, and the job resumes from step 5."""
     run = tmp_path / "run"
-    args = ("--model", "small", "--steps", "14", "--ckpt-every", "5", "--batch-size", "2")
-    train(data_dir, run, *args, "--fault", "sigkill@11:1")
+    train(data_dir, run, "--steps", "14", "--ckpt-every", "5", "--fault", "sigkill@10/write:1")
     events = read_events(run)
     fault_time = next(e["time"] for e in events if e["event"] == "fault")
-    published_before = [e["step"] for e in events if e["event"] == "checkpoint" and e["time"] < fault_time]
-    assert 10 not in published_before  # the kill hit the step-10 write before it was durable
+    assert [e["step"] for e in events if e["event"] == "checkpoint" and e["time"] < fault_time] == [5]
     (restart,) = restarts(run)
-    assert restart["resumed_from_step"] == 5
+    assert restart["layer"] == "in_job" and restart["resumed_from_step"] == 5
     for path in (run / CHECKPOINTS).glob("step_*"):
         assert ".tmp" not in path.name
         verify_checkpoint(path)
     assert torch.isfinite(torch.tensor(list(losses(run).values()))).all()
+
+
+# ------------------------------------------------------------------ a soft fault in every save phase
+# One run puts an exception in each phase of an async save, on each rank: 8 saves of the 60-step
+# reference trajectory (every 5 steps), each hit once. Runs alternate between a quiet machine and
+# one whose cores are all taken by busy loops (steps then fall behind the writer).
+# `make stress` repeats it more (RFSDP_STRESS_REPEAT).
+PHASE_FAULTS = ",".join(f"exception@{5 * (i + 1)}/{phase}:{i % 2}" for i, phase in enumerate(SAVE_PHASES * 2))
+REPEAT = int(os.environ.get("RFSDP_STRESS_REPEAT", "3"))
+
+
+@pytest.fixture
+def cpu_hogs(repeat: int) -> Iterator[int]:
+    """Every second repetition: one busy-looping process per core while the test runs."""
+    count = (os.cpu_count() or 1) if repeat % 2 else 0
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    yield count
+    for hog in hogs:
+        hog.kill()
+        hog.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.stress
+@pytest.mark.parametrize("repeat", range(REPEAT))
+def test_soft_fault_in_every_save_phase_recovers_in_process(data_dir: Path, baseline_60: Path, tmp_path: Path, cpu_hogs: int) -> None:
+    run = tmp_path / "run"
+    train(data_dir, run, "--steps", "60", "--ckpt-every", "5", "--fault", PHASE_FAULTS, timeout=900)
+    events = read_events(run)
+    fired = [(e["step"], e["phase"], e["rank"]) for e in events if e["event"] == "fault"]
+    assert fired == [(5 * (i + 1), phase, i % 2) for i, phase in enumerate(SAVE_PHASES * 2)]
+    assert [r["layer"] for r in restarts(run)] == ["in_process"] * len(fired), "a soft fault escalated"
+    assert not [e for e in events if e["event"] == "checkpoint_failed"]
+    # Each recovery resumes from the save before the one it hit: that one was never published.
+    assert [r["resumed_from_step"] for r in restarts(run)] == [step - 5 for step, _, _ in fired]
+    assert losses(run) == losses(baseline_60)
+    assert latest_checkpoint(run).name == step_dir_name(60)
+    verify_checkpoint(latest_checkpoint(run))

@@ -32,6 +32,10 @@ def cfg(**kw) -> TrainConfig:
         ({"fault": "exception@999"}, "--fault"),
         ({"fault": "sigkill@3:5"}, "--fault"),
         ({"fault": "sigkill-3"}, "--fault"),
+        ({"fault": "exception@10/commit"}, "--fault: 'exception@10/commit': /PHASE is one of stage, plan, write, finalize"),
+        ({"fault": "exception@7/write"}, "--fault: exception@7/write:0 fires inside a save, but step 7 has no async save"),
+        ({"fault": "exception@10/write", "ckpt_mode": "sync"}, "step 10 has no async save"),
+        ({"fault": "node-loss@10/write:1"}, "--fault"),
     ],
 )
 def test_bad_config_names_the_parameter(kw: dict, names: str) -> None:
@@ -40,8 +44,11 @@ def test_bad_config_names_the_parameter(kw: dict, names: str) -> None:
 
 
 def test_fault_spec_grammar() -> None:
-    faults = parse_fault_spec("exception@5:1, sigkill@9,hang@12:0,exit@20:1", steps=30, world_size=2)
-    assert [(f.kind, f.step, f.rank) for f in faults] == [("exception", 5, 1), ("sigkill", 9, 0), ("hang", 12, 0), ("exit", 20, 1)]
+    faults = parse_fault_spec("exception@5:1, sigkill@9,hang@12:0,exit@20:1,exception@10/finalize:1", steps=30, world_size=2)
+    assert [(f.kind, f.step, f.rank, f.phase) for f in faults] == [
+        ("exception", 5, 1, ""), ("sigkill", 9, 0, ""), ("hang", 12, 0, ""), ("exit", 20, 1, ""), ("exception", 10, 1, "finalize"),
+    ]  # fmt: skip
+    assert faults[-1].key == "exception@10/finalize:1"
 
 
 def test_timeouts_keep_their_order() -> None:
@@ -148,3 +155,24 @@ def test_recovery_layer() -> None:
     assert recovery_layer(crashed, in_process_iteration=0, in_job_restart=0) == "in_job"  # a replaced replica
     assert recovery_layer(finished, in_process_iteration=0, in_job_restart=0) is None  # a deliberate resume
     assert recovery_layer([], in_process_iteration=0, in_job_restart=0) is None
+
+
+def test_outside_internals_the_async_writer_relies_on() -> None:
+    """Private NVRx 0.4.1 and torch 2.13 APIs used by ``trainer.resilience`` (listed there): an
+    upgrade that moves them fails here, not in a training run."""
+    import importlib.metadata
+    import inspect
+
+    from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.core import PersistentAsyncCaller
+    from torch.distributed import _state_dict_utils
+
+    assert importlib.metadata.version("nvidia-resiliency-ext") == "0.4.1"
+    caller = PersistentAsyncCaller()
+    assert caller.process is None and hasattr(caller.queue, "put") and hasattr(caller.comp_q, "get_nowait")
+    # The worker replaces the request's second argument with the preloaded buckets (CUDA).
+    assert "async_fn_args[1] = item.preload_fn()" in inspect.getsource(PersistentAsyncCaller.async_loop)
+    save_fn = filesystem_async.FileSystemWriterAsync.write_preloaded_data_multiproc
+    assert list(inspect.signature(save_fn).parameters) == ["transform_list", "use_msc", "rank", "write_buckets", "global_results_queue"]
+    assert callable(filesystem_async._get_write_results_queue)
+    assert callable(_state_dict_utils._copy_state_dict) and callable(_state_dict_utils._create_cpu_state_dict)

@@ -18,7 +18,9 @@ import re
 import shutil
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -64,23 +66,40 @@ def write_rank_checksums(directory: Path, rank: int) -> None:
     atomic_write_text(directory / f"checksums_rank{rank}.json", json.dumps(record))
 
 
+SAVE_PHASES = ("stage", "plan", "write", "finalize")
+"""The points a save passes, in order (``SaveHooks.on_phase``; faults can fire at each)."""
+
+
+def _no_phase_hook(phase: str) -> None:
+    """Default ``on_phase``: nothing happens at a phase."""
+
+
+@dataclass(frozen=True, slots=True)
+class SaveHooks:
+    """What the loop around a save lends the writer for that save."""
+
+    on_phase: Callable[[str], None] = _no_phase_hook
+    """Called as the save reaches each of ``SAVE_PHASES`` (fault injection fires here)."""
+    atomic: Callable[[], AbstractContextManager] = nullcontext
+    """A section that in-process restart must not interrupt (sending a write to a worker)."""
+
+
 class CheckpointWriter(Protocol):
     """Writes the tensor state of one checkpoint; collective over the checkpoint group."""
 
     mode: str
 
-    def start(self, state_dict: dict, directory: Path, group: dist.ProcessGroup) -> None:
+    def start(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:
         """Begin writing ``state_dict`` (DCP layout) into ``directory``; returns when the
-        training loop may continue.
+        training loop may continue. Call it only after :meth:`poll` returned True.
         """
 
-    def poll(self, *, blocking: bool) -> bool:
-        """True once the write started last is durable on every rank (collective: call on the
-        same iteration on every rank). Raises CheckpointWriteError on every rank if it failed.
+    def poll(self, group: dist.ProcessGroup) -> bool:
+        """Collective (same iteration on every rank), non-blocking: True once nothing is being
+        written on any rank, the write started last on ``group`` then being durable and finalized.
+        Raises CheckpointWriteError on every rank alike if that write failed. A write started on
+        another group (an earlier incarnation's, after a fault) is never finalized.
         """
-
-    def abandon(self) -> None:
-        """Forget an in-flight write after a fault (local, no collectives)."""
 
     def close(self) -> None:
         """Release background resources."""
@@ -91,17 +110,14 @@ class SyncDcpWriter:
 
     mode = "sync"
 
-    def start(self, state_dict: dict, directory: Path, group: dist.ProcessGroup) -> None:
+    def start(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:
         """Write, fsync and checksum the shard before returning."""
         dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(directory, sync_files=True), process_group=group)
         write_rank_checksums(directory, dist.get_rank())
 
-    def poll(self, *, blocking: bool) -> bool:
+    def poll(self, group: dist.ProcessGroup) -> bool:
         """Always done: the write happened inside :meth:`start`."""
         return True
-
-    def abandon(self) -> None:
-        """Nothing is ever in flight."""
 
     def close(self) -> None:
         """Nothing to release."""
@@ -128,12 +144,35 @@ class Checkpointer:
         every: int,
         keep_last: int,
         fingerprint: str,
+        save_group: dist.ProcessGroup | None = None,
         heartbeat: Callable[[], None] = lambda: None,
         on_published: Callable[[Path], None] | None = None,
+        on_phase: Callable[[int, str], None] | None = None,
+        atomic: Callable[[], AbstractContextManager] = nullcontext,
     ) -> None:
+        """Set up on every rank (collective on ``group``).
+
+        Args:
+            run_dir: the run directory (checkpoints go to its ``checkpoints/``).
+            writer: how the tensor state is written.
+            events: where ``checkpoint`` / ``checkpoint_failed`` / ``warning`` events go.
+            every: checkpoint interval in steps (the last step is always saved).
+            keep_last: published checkpoints kept by retention.
+            fingerprint: the training config's identity; resume skips checkpoints of another.
+            group: resume and set-up collectives (rank 0 verifies checksums meanwhile: slow).
+            save_group: the collectives of saves inside the training loop (default ``group``); its
+                timeout bounds how long a rank waits there for a peer that has faulted.
+            heartbeat: called while waiting for a write, so the wait is not taken for a hang.
+            on_published: receives each published checkpoint directory (rank 0).
+            on_phase: called with ``(step, phase)`` as a save reaches each of ``SAVE_PHASES``.
+            atomic: see ``SaveHooks.atomic``.
+        """
         self.root = Path(run_dir) / CHECKPOINTS
         self.writer = writer
         self.group = group
+        self.save_group = save_group or group
+        self.on_phase = on_phase
+        self.atomic = atomic
         self.events = events
         self.every = every
         self.keep_last = keep_last
@@ -188,14 +227,15 @@ class Checkpointer:
                 self._poll(blocking=True)
 
     def save(self, step: int, state: Callable[[], tuple[dict, dict]]) -> None:
-        """Start a checkpoint of ``step`` now (waiting first for one still in flight)."""
+        """Start a checkpoint of ``step`` now (waiting first until nothing is being written)."""
         t0, started = time.perf_counter(), time.time()
         self._poll(blocking=True)
         tmp_dir = self.root / f"{step_dir_name(step)}.tmp{self.generation}"
         tensors, rank_state = state()
         tmp_dir.mkdir(parents=True, exist_ok=True)
         _save_durably(rank_state, tmp_dir / rank_state_file(self.rank))
-        self.writer.start(tensors, tmp_dir, self.group)
+        on_phase = partial(self.on_phase, step) if self.on_phase else _no_phase_hook
+        self.writer.start(tensors, tmp_dir, self.save_group, SaveHooks(on_phase=on_phase, atomic=self.atomic))
         self.pending = _Pending(step, tmp_dir, started, time.perf_counter() - t0)
         if self.writer.mode == "sync":
             self._poll(blocking=True)
@@ -204,19 +244,16 @@ class Checkpointer:
         """Block until the in-flight save (if any) is published."""
         self._poll(blocking=True)
 
-    def abandon(self) -> None:
-        """After a fault: drop the in-flight save without publishing it."""
-        self.writer.abandon()
-        self.pending = None
-
     def _poll(self, *, blocking: bool) -> None:
+        # Non-blocking with nothing pending: no collective. Blocking: also waits for a write
+        # abandoned by an earlier incarnation to end on every rank.
         pending = self.pending
-        if pending is None:
+        if pending is None and not blocking:
             return
         try:
             # A blocking wait is a loop of non-blocking polls (collectives that end on the same
             # iteration everywhere) so the rank keeps its heartbeat while the write finishes.
-            while not self.writer.poll(blocking=False):
+            while not self.writer.poll(self.save_group):
                 if not blocking:
                     return
                 self.heartbeat()
@@ -224,8 +261,10 @@ class Checkpointer:
         except CheckpointWriteError as e:
             self._fail(pending, e)
             return
+        if pending is None:
+            return
         self.pending = None
-        dist.barrier(group=self.group)  # every rank's checksums and rank 0's .metadata are on disk
+        dist.barrier(group=self.save_group)  # every rank's checksums and rank 0's .metadata are on disk
         if self.rank == 0:
             try:
                 final = self._publish(pending)

@@ -8,7 +8,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from trainer.faults import parse_fault_spec
+from trainer.faults import Fault, parse_fault_spec
 from trainer.model import MODEL_SIZES, ModelSize
 
 CKPT_MODES = ("async", "sync")
@@ -57,7 +57,7 @@ class TrainConfig:
     world_size: int = 2
     """Total number of ranks (nnodes x nproc_per_node)."""
     fault: str = ""
-    """Fault schedule ``KIND@STEP[:RANK],...``."""
+    """Fault schedule ``KIND@STEP[/PHASE][:RANK],...`` (see ``trainer.faults``)."""
     inprocess_restart: bool = True
     """Recover soft faults inside the running processes (NVRx ``inprocess.Wrapper``)."""
     hang_timeout: float = 10.0
@@ -82,6 +82,13 @@ class TrainConfig:
         if self.hang_timeout < 5:
             raise ValueError(f"--hang-timeout must be at least 5 s, got {self.hang_timeout}")
         self.faults = parse_fault_spec(self.fault, steps=self.steps, world_size=self.world_size)
+        for f in self.faults:
+            if isinstance(f, Fault) and f.phase and (self.ckpt_mode != "async" or not self.saves_at(f.step)):
+                raise ValueError(f"--fault: {f.key} fires inside a save, but step {f.step} has no async save (every {self.ckpt_every})")
+
+    def saves_at(self, step: int) -> bool:
+        """True when the run checkpoints at ``step`` (every ``ckpt_every`` steps and its last)."""
+        return step % self.ckpt_every == 0 or step == (self.stop_at_step or self.steps)
 
     @property
     def size(self) -> ModelSize:

@@ -1,4 +1,8 @@
-"""Real fault injection: ``--fault KIND@STEP[:RANK],...`` (grammar in design.md).
+"""Real fault injection: ``--fault KIND@STEP[/PHASE][:RANK],...``.
+
+A rank fault fires at the start of STEP; with ``/PHASE`` it fires instead inside the checkpoint
+saved at STEP, as that save reaches PHASE (``stage``, ``plan``, ``write``, ``finalize``: see
+``trainer.checkpoint.SAVE_PHASES``), so tests can hit a save in flight without depending on timing.
 
 Each fault fires once per run, also across restarts: a marker file in ``RUN_DIR/faults/`` is
 created atomically (``O_EXCL``) just before the fault fires, with its ``fault`` event.
@@ -19,11 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from trainer.checkpoint import SAVE_PHASES
 from trainer.events import EventLog
 
 RANK_KINDS = ("exception", "sigkill", "hang", "exit")
 NODE_KINDS = ("node-loss", "partition")
-_SPEC = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?::(?P<rank>\d+))?(?::(?P<seconds>\d+(?:\.\d+)?))?$")
+_SPEC = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?:/(?P<phase>[a-z]+))?(?::(?P<rank>\d+))?(?::(?P<seconds>\d+(?:\.\d+)?))?$")
 EXIT_CODE = 13
 FAULTS_DIR = "faults"
 
@@ -39,11 +44,14 @@ class Fault:
     kind: str
     step: int
     rank: int = 0
+    phase: str = ""
+    """Empty: at the start of the step; else the phase of the step's checkpoint it fires in."""
 
     @property
     def key(self) -> str:
         """Stable identity used for the once-per-run marker."""
-        return f"{self.kind}@{self.step}:{self.rank}"
+        where = f"{self.step}/{self.phase}" if self.phase else f"{self.step}"
+        return f"{self.kind}@{where}:{self.rank}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,18 +83,20 @@ def parse_fault_spec(spec: str, *, steps: int, world_size: int, nnodes: int | No
     for item in filter(None, (s.strip() for s in spec.split(","))):
         m = _SPEC.match(item)
         if not m:
-            raise ValueError(f"--fault: {item!r} is not KIND@STEP[:RANK] or node-loss@STEP:NODE or partition@STEP:NODE:SECONDS")
-        kind, step, target = m["kind"], int(m["step"]), int(m["rank"] or 0)
+            raise ValueError(f"--fault: {item!r} is not KIND@STEP[/PHASE][:RANK] or node-loss@STEP:NODE or partition@STEP:NODE:SECONDS")
+        kind, step, target, phase = m["kind"], int(m["step"]), int(m["rank"] or 0), m["phase"] or ""
         if kind not in RANK_KINDS + NODE_KINDS:
             raise ValueError(f"--fault: unknown kind {kind!r} in {item!r} (known: {', '.join(RANK_KINDS + NODE_KINDS)})")
         if not 1 <= step <= steps:
             raise ValueError(f"--fault: step {step} in {item!r} is outside the run (1..{steps})")
+        if phase and (kind not in RANK_KINDS or phase not in SAVE_PHASES):
+            raise ValueError(f"--fault: {item!r}: /PHASE is one of {', '.join(SAVE_PHASES)}, for {', '.join(RANK_KINDS)}")
         if kind in RANK_KINDS:
             if m["seconds"] is not None:
                 raise ValueError(f"--fault: {item!r}: only partition takes SECONDS")
             if target >= world_size:
                 raise ValueError(f"--fault: rank {target} in {item!r} is outside the world (size {world_size})")
-            faults.append(Fault(kind, step, target))
+            faults.append(Fault(kind, step, target, phase))
             continue
         seconds = float(m["seconds"] or 0)
         if kind == "partition" and not seconds > 0:
@@ -105,7 +115,7 @@ def claim_fault(run_dir: Path, key: str) -> bool:
     marker_dir = Path(run_dir) / FAULTS_DIR
     marker_dir.mkdir(exist_ok=True)
     try:
-        os.close(os.open(marker_dir / key, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        os.close(os.open(marker_dir / key.replace("/", "%"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))  # a save phase's "/"
     except FileExistsError:
         return False
     return True
@@ -115,16 +125,18 @@ class FaultInjector:
     """Fires this rank's scheduled faults at their steps, once per run."""
 
     def __init__(self, faults: list[Fault], run_dir: Path, rank: int, events: EventLog) -> None:
-        self.pending = {f.step: f for f in faults if isinstance(f, Fault) and f.rank == rank}
+        self.pending = {(f.step, f.phase): f for f in faults if isinstance(f, Fault) and f.rank == rank}
         self.run_dir = Path(run_dir)
         self.events = events
 
-    def maybe_fire(self, step: int) -> None:
-        """Fire the fault scheduled for ``step`` on this rank, unless it already fired."""
-        fault = self.pending.get(step)
+    def maybe_fire(self, step: int, phase: str = "") -> None:
+        """Fire the fault scheduled for ``step`` (and the save ``phase``) on this rank, unless it
+        already fired.
+        """
+        fault = self.pending.get((step, phase))
         if fault is None or not claim_fault(self.run_dir, fault.key):
             return
-        self.events.emit("fault", kind=fault.kind, step=step)
+        self.events.emit("fault", kind=fault.kind, step=step, **({"phase": phase} if phase else {}))
         if fault.kind == "exception":
             raise InjectedFault(f"injected exception at step {step}")
         if fault.kind == "sigkill":

@@ -10,21 +10,24 @@
 import contextlib
 import datetime
 import os
+import pickle
+import queue
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import chain
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from nvidia_resiliency_ext import inprocess
-from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue, AsyncRequest, PersistentAsyncCaller
+from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest, PersistentAsyncCaller
 from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync, _get_write_results_queue
 from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
 from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
-from trainer.checkpoint import CheckpointWriteError, write_rank_checksums
+from trainer.checkpoint import CheckpointWriteError, SaveHooks, write_rank_checksums
 from trainer.config import Timeouts
 
 FT_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"
@@ -32,135 +35,199 @@ PORT_BASE_ENV = "RFSDP_PORT_BASE"
 
 
 # ------------------------------------------------------------------ async checkpoints
-class _GlooPersistentCaller(PersistentAsyncCaller):
-    """NVRx's persistent worker, agreeing on completion over a gloo group instead of CUDA."""
-
-    group: dist.ProcessGroup | None = None
-
-    def sync_all_async_calls(self, is_alive: int) -> bool:
-        """True when no rank's write is still running (a collective on ``group``)."""
-        flag = torch.tensor([int(is_alive)], dtype=torch.int32)
-        dist.all_reduce(flag, group=self.group)
-        return int(flag.item()) == 0
+# NVRx internals used here (nvidia-resiliency-ext 0.4.1), pinned by tests/test_units.py:
+# - ``PersistentAsyncCaller``'s ``process``, ``queue`` and ``comp_q`` attributes: to respawn a dead
+#   worker, to stop it without NVRx's ``close()`` (which joins a queue a dead worker never answers),
+#   and to empty the completion queue we do not read (its feeder would block the worker's exit).
+# - ``filesystem_async._get_write_results_queue``: NVRx starts a manager process for its results
+#   queue at the first save; starting it up front keeps that out of the first save's stall.
+# torch internals (2.13): ``_create_cpu_state_dict`` / ``_copy_state_dict`` stage the state into
+# reused shared-memory buffers, as ``dcp.async_save`` does.
 
 
-class _GlooAsyncCallsQueue(AsyncCallsQueue):
-    """``AsyncCallsQueue`` for CPU ranks: NVRx's finalization validates call indices with a CUDA
-    tensor, so here every rank finalizes the request that all ranks agreed is done.
+def _write_shard(done: torch.Tensor, request_id: int, save_fn: Callable | None, directory: str, rank: int, write_buckets: list) -> None:
+    """Runs in the background worker: write this rank's shard and checksums, leave the outcome
+    in ``directory``, then mark the request done (always: a failure is an outcome too).
+
+    ``rank`` and ``write_buckets`` come last and in this order: NVRx's worker replaces the second
+    argument with the preloaded buckets on CUDA.
     """
-
-    def __init__(self) -> None:
-        super().__init__(persistent=True)
-        self.persistent_caller = _GlooPersistentCaller()
-
-    def maybe_finalize_async_calls(self, blocking: bool = False, no_dist: bool = False) -> list[int]:
-        """Finalize the globally finished requests (collective)."""
-        done = []
-        while self.async_calls and self.async_calls[0].async_caller.is_current_async_call_done(blocking, no_dist):
-            _, _, request = self.async_calls.popleft()
-            done.append(request.execute_finalize_fns(validate_matching_call_idx=False))
-        return done
-
-
-def _noop() -> None:
-    """Warm-up request: makes the worker import and start before the first save."""
-
-
-def _write_shard(save_fn: Callable, directory: str, rank: int, *args: object) -> None:
-    """Runs in the background worker: write this rank's shard, then checksum its files."""
-    save_fn(rank, *args)
-    if any(Path(directory).glob(f"__{rank}_*.distcp")):
+    try:
+        outcome = {}
+        if save_fn is not None:
+            results: queue.SimpleQueue = queue.SimpleQueue()
+            save_fn(rank, write_buckets, results)
+            outcome = results.get_nowait()
+        if isinstance(outcome, Exception):
+            raise outcome
         write_rank_checksums(Path(directory), rank)
+        record = {"results": outcome, "buckets": len(write_buckets), "error": None}
+    except Exception as e:  # reported to the training process, which agrees on it with the others
+        record = {"results": {}, "buckets": len(write_buckets), "error": f"{type(e).__name__}: {e}"}
+    with contextlib.suppress(OSError):  # the directory of an abandoned write may be gone already
+        (Path(directory) / _outcome_name(rank)).write_bytes(pickle.dumps(record))
+    done[0] = request_id
+
+
+def _mark_done(done: torch.Tensor, request_id: int) -> None:
+    """Warm-up request: the worker has imported everything and answers."""
+    done[0] = request_id
+
+
+def _outcome_name(rank: int) -> str:
+    return f".write_outcome_rank{rank}.pkl"
+
+
+def _read_outcome(directory: Path, rank: int) -> list:
+    """This rank's write results, left by :func:`_write_shard` (raises if the write failed)."""
+    path = Path(directory) / _outcome_name(rank)
+    if not path.is_file():
+        raise RuntimeError("the background worker left no outcome (it died)")
+    record = pickle.loads(path.read_bytes())
+    path.unlink()
+    if record["error"]:
+        raise RuntimeError(record["error"])
+    if len(record["results"]) != record["buckets"]:
+        raise RuntimeError(f"incomplete worker results ({len(record['results'])} of {record['buckets']} files)")
+    return list(chain.from_iterable(record["results"].values()))
+
+
+def _drain(q: object) -> None:
+    with contextlib.suppress(queue.Empty):
+        while True:
+            q.get_nowait()
+
+
+@dataclass(slots=True)
+class _StartedWrite:
+    directory: Path
+    fs_writer: FileSystemWriterAsync
+    metadata: object
+    dist_wrapper: object
+    hooks: SaveHooks
+
+
+@dataclass(slots=True)
+class _Incarnation:
+    """The writer's state for one incarnation of the training function (one checkpoint group)."""
+
+    group: dist.ProcessGroup
+    staging: dict | None = None
+    started: _StartedWrite | None = None
 
 
 class AsyncCheckpointWriter:
-    """The ``async`` checkpoint mode on NVRx's persistent ``AsyncCallsQueue``.
+    """The ``async`` checkpoint mode: DCP shards written by NVRx's persistent background worker.
+
+    In-process restart interrupts the training thread wherever it is (another rank's fault is
+    raised in it asynchronously, even inside an ``except`` block), so nothing here depends on
+    cleanup running, and the training thread never reads an interprocess queue: the worker reports
+    completion in a shared-memory counter and each write's outcome in a file next to the shard.
+    Handing a request to the worker is the one atomic section. A new checkpoint group means a new
+    incarnation: what the last one started is abandoned (never finalized, so never published) and
+    its staging buffers dropped. An abandoned write runs to its end in the background; the next
+    save starts only once every rank's worker is idle (:meth:`poll`).
 
     CPU: the state is copied into reused shared-memory buffers (the worker never sees live
-    tensors, which later optimizer steps would change) and completion is agreed over gloo.
-    CUDA: NVRx's own device-to-host preload and cross-rank finalization.
+    tensors, which later optimizer steps would change). CUDA: NVRx's device-to-host preload.
+    Completion is agreed over the checkpoint's gloo group on both.
     """
 
     mode = "async"
 
     def __init__(self, *, cuda: bool) -> None:
         self.cuda = cuda
-        self.queue: AsyncCallsQueue = AsyncCallsQueue(persistent=True) if cuda else _GlooAsyncCallsQueue()
-        if self.queue.persistent_caller is None:
-            self.queue.persistent_caller = PersistentAsyncCaller()
-        self._staging: dict | None = None
-        self._fs_writer: FileSystemWriterAsync | None = None
-        # Start the worker (a spawned interpreter: seconds) and the results queue now, so the
+        self._done = torch.zeros(1, dtype=torch.int64).share_memory_()  # last request the worker finished
+        self._sent = 0  # last request handed to the worker
+        self._caller: PersistentAsyncCaller | None = None
+        self._current: _Incarnation | None = None
+        # Start the worker (a spawned interpreter: seconds) and NVRx's results manager now, so the
         # first save does not stall the training loop for them.
         _get_write_results_queue()
-        self.queue.persistent_caller.rank = int(os.environ.get("RANK", 0))
-        self.queue.schedule_async_request(AsyncRequest(_noop, (), []))
-        self._warming_up = True
+        self._send(partial(_mark_done, self._done, self._sent + 1), ())
 
-    def start(self, state_dict: dict, directory: Path, group: dist.ProcessGroup) -> None:
-        """Stage, plan (collective) and hand the write to the background worker."""
-        if self._warming_up:  # local: waits only if the worker has not finished booting
-            self.queue.async_calls[0].async_caller.is_current_async_call_done(blocking=True, no_dist=True)
-            self.queue.async_calls.popleft()
-            self._warming_up = False
+    def start(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:
+        """Stage, plan (collective) and hand the write to the background worker. Call it only
+        after :meth:`poll` returned True.
+        """
+        current = self._incarnation(group)
         if not self.cuda:
-            if self._staging is None:
-                self._staging = _create_cpu_state_dict(state_dict, share_memory=True)
-            state_dict = _copy_state_dict(state_dict, self._staging)
-            self.queue.persistent_caller.group = group
-        writer = FileSystemWriterAsync(directory, thread_count=1)
-        _, metadata, dist_wrapper = save_state_dict_async_plan(state_dict, writer, process_group=group)
-        save_fn, preload_fn, save_args = writer.get_save_function_and_args()
-        finalize = partial(_agree_and_finalize, writer, metadata, dist_wrapper, group)
-        request = AsyncRequest(
-            partial(_write_shard, save_fn, str(directory)),
-            tuple(save_args),
-            [finalize],
-            preload_fn=preload_fn if self.cuda else None,  # NVRx's preload calls CUDA
-        )
-        self._fs_writer = writer
-        self.queue.schedule_async_request(request)
+            if current.staging is None:
+                current.staging = _create_cpu_state_dict(state_dict, share_memory=True)
+            state_dict = _copy_state_dict(state_dict, current.staging)
+        hooks.on_phase("stage")
+        fs_writer = FileSystemWriterAsync(directory, thread_count=1)
+        _, metadata, dist_wrapper = save_state_dict_async_plan(state_dict, fs_writer, process_group=group)
+        hooks.on_phase("plan")
+        save_fn, preload_fn, save_args = fs_writer.get_save_function_and_args()
+        buckets = save_args[1] if save_fn is not None else []
+        task = partial(_write_shard, self._done, self._sent + 1, save_fn, str(directory))
+        with hooks.atomic():  # a request is sent and recorded whole, or not at all
+            self._send(task, (dist.get_rank(), buckets), preload_fn if self.cuda else None)  # NVRx's preload calls CUDA
+            current.started = _StartedWrite(Path(directory), fs_writer, metadata, dist_wrapper, hooks)
+        hooks.on_phase("write")
 
-    def poll(self, *, blocking: bool) -> bool:
-        """Finalize if the write is done on every rank (collective)."""
-        if not self.queue.get_num_unfinalized_calls():
-            return True
-        self.queue.maybe_finalize_async_calls(blocking=blocking)
-        return self.queue.get_num_unfinalized_calls() == 0
-
-    def abandon(self) -> None:
-        """Wait (locally) for the worker to go idle and drop the unfinalized write."""
-        if not self.queue.async_calls:
-            return
-        while self.queue.async_calls:
-            self.queue.async_calls[0].async_caller.is_current_async_call_done(blocking=True, no_dist=True)
-            self.queue.async_calls.popleft()
-        self._warming_up = False
-        with contextlib.suppress(Exception):
-            self._fs_writer.retrieve_write_results()  # consume its result: the queue is shared
-        self._staging = None  # the next iteration's state has new tensors and a new mesh
+    def poll(self, group: dist.ProcessGroup) -> bool:
+        """Collective: True once no rank's worker is busy; the write this incarnation started (if
+        any) is then finalized. Raises CheckpointWriteError on every rank alike if it failed.
+        """
+        current = self._incarnation(group)
+        busy = torch.tensor([int(self._busy())], dtype=torch.int32)
+        dist.all_reduce(busy, group=group)
+        if busy.item():
+            return False
+        started, current.started = current.started, None
+        if started is not None:
+            started.hooks.on_phase("finalize")
+            _agree_and_finalize(started, group)
+        return True
 
     def close(self) -> None:
-        """Stop the background worker."""
-        caller = self.queue.persistent_caller
-        if caller is not None:
-            caller.close()
+        """Stop the background worker once it has finished what it was given."""
+        caller, self._caller = self._caller, None
+        if caller is None or caller.process is None:
+            return
+        caller.queue.put("DONE")
+        while caller.process.is_alive():
+            _drain(caller.comp_q)
+            caller.process.join(0.1)
+        caller.process = None  # so NVRx's own close() (from __del__) has nothing left to join
+
+    def _incarnation(self, group: dist.ProcessGroup) -> _Incarnation:
+        if self._current is None or self._current.group is not group:
+            self._current = _Incarnation(group)
+        return self._current
+
+    def _busy(self) -> bool:
+        # A dead worker is not busy: its write has no outcome and fails the save.
+        worker = self._caller.process if self._caller is not None else None
+        return int(self._done[0]) < self._sent and worker is not None and worker.is_alive()
+
+    def _send(self, task: Callable, args: tuple, preload_fn: Callable | None = None) -> None:
+        if self._caller is None or (self._caller.process is not None and not self._caller.process.is_alive()):
+            if self._caller is not None:
+                self._caller.process = None  # dead: nothing to join
+            self._caller = PersistentAsyncCaller()
+            self._caller.rank = int(os.environ.get("RANK", 0))
+        self._caller.schedule_async_call(AsyncRequest(task, args, [], preload_fn=preload_fn))
+        self._sent += 1
+        _drain(self._caller.comp_q)  # NVRx's completion queue: unread, emptied here inside the atomic section
 
 
-def _agree_and_finalize(writer: FileSystemWriterAsync, metadata: object, dist_wrapper: object, group: dist.ProcessGroup) -> None:
+def _agree_and_finalize(started: _StartedWrite, group: dist.ProcessGroup) -> None:
     """All ranks agree whether every shard was written; then rank 0 writes DCP's ``.metadata``."""
     error = None
     try:
-        results = writer.retrieve_write_results()
-    except Exception as e:  # the worker reports a failed write as an exception object
+        results = _read_outcome(started.directory, dist.get_rank())
+    except (OSError, RuntimeError, pickle.UnpicklingError, EOFError, KeyError) as e:
         error, results = e, []
     ok = torch.tensor([0 if error else 1], dtype=torch.int32)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     if not ok.item():
         raise CheckpointWriteError(f"background write failed: {error or 'on another rank'}")
-    all_results = dist_wrapper.gather_object(results)
-    if dist_wrapper.is_coordinator:
-        writer.finish(metadata, all_results)
+    all_results = started.dist_wrapper.gather_object(results)
+    if started.dist_wrapper.is_coordinator:
+        started.fs_writer.finish(started.metadata, all_results)
 
 
 # ------------------------------------------------------------------ in-job restart (ft_launcher)

@@ -84,9 +84,13 @@ def train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror |
     rt = detect_runtime()
     timeouts = Timeouts(cfg.hang_timeout, cfg.inprocess_restart)
     init_process_group(rt, make_store(attempt, timeouts.barrier), timeouts.collective)
-    # Checkpoint collectives get their own gloo group (and a longer timeout): they must never
-    # interleave with FSDP's.
+    # Checkpoint collectives get their own gloo groups: they must never interleave with FSDP's.
+    # Resume waits while rank 0 verifies checksums: a long timeout. An async save's collectives in
+    # the loop are quick polls: they time out like training's, so a peer that faulted never holds
+    # this rank past in-process restart's soft timeout. A sync save waits there for the slowest write.
     ckpt_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeouts.barrier))
+    save_timeout = timeouts.collective if writer.mode == "async" else timeouts.barrier
+    save_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=save_timeout))
     run_dir = Path(cfg.run_dir)
     events = EventLog(run_dir, rt.rank)
     prior = read_events(run_dir) if rt.rank == 0 else []
@@ -97,12 +101,17 @@ def train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror |
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     loader = TokenLoader(load_split(local_data(cfg.data, run_dir), "train"), cfg.size.seq_len, cfg.batch_size, rt.rank, rt.world_size)
     state = TrainState(model, optimizer, loader, monitor, ckpt_group)
-    checkpointer = Checkpointer(
-        run_dir, writer=writer, group=ckpt_group, events=events, every=cfg.ckpt_every,
-        keep_last=cfg.keep_last, fingerprint=cfg.trajectory_hash(), heartbeat=monitor.heartbeat,
-        on_published=mirror.submit if mirror else None,
-    )  # fmt: skip
     faults = FaultInjector(cfg.faults, run_dir, rt.rank, events)
+
+    def alive() -> None:
+        monitor.heartbeat()
+        attempt.ping()
+
+    checkpointer = Checkpointer(
+        run_dir, writer=writer, group=ckpt_group, save_group=save_group, events=events, every=cfg.ckpt_every,
+        keep_last=cfg.keep_last, fingerprint=cfg.trajectory_hash(), heartbeat=alive,
+        on_published=mirror.submit if mirror else None, on_phase=faults.maybe_fire, atomic=attempt.atomic,
+    )  # fmt: skip
     if mirror is not None and not published_checkpoints(checkpointer.root):  # a fresh machine: resume from the mirror
         mirror.restore(fingerprint=cfg.trajectory_hash(), world_size=rt.world_size)
     start = checkpointer.load_latest(state.load)
@@ -111,23 +120,20 @@ def train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror |
 
     last = cfg.stop_at_step or cfg.steps
     tokens_per_step = cfg.batch_size * cfg.size.seq_len * rt.world_size
-    try:
-        for step in range(start + 1, last + 1):
-            faults.maybe_fire(step)
-            t0 = time.perf_counter()
-            loss = train_step(state, lr_at(cfg, step), cfg.grad_clip, rt.device)
-            step_time = time.perf_counter() - t0
-            monitor.heartbeat()
-            attempt.ping()
-            if rt.rank == 0:
-                done = events.emit("step", step=step, loss=loss, step_time_s=step_time, tokens=tokens_per_step)
-                if layer and step == start + 1:
-                    events.emit("restart", **describe_restart(prior, layer=layer, resumed_from=start, first_step_time=done["time"]))
-            with attempt.atomic():
-                checkpointer.step(step, partial(state.snapshot, step), last=step == last)
-    except BaseException:
-        checkpointer.abandon()  # unpublished: the next incarnation resumes from the last durable one
-        raise
+    # A fault anywhere below ends this incarnation; what it was saving is never published (the
+    # writer abandons it when the next incarnation's group arrives) and that one resumes from the
+    # last durable checkpoint.
+    for step in range(start + 1, last + 1):
+        faults.maybe_fire(step)
+        t0 = time.perf_counter()
+        loss = train_step(state, lr_at(cfg, step), cfg.grad_clip, rt.device)
+        step_time = time.perf_counter() - t0
+        alive()
+        if rt.rank == 0:
+            done = events.emit("step", step=step, loss=loss, step_time_s=step_time, tokens=tokens_per_step)
+            if layer and step == start + 1:
+                events.emit("restart", **describe_restart(prior, layer=layer, resumed_from=start, first_step_time=done["time"]))
+        checkpointer.step(step, partial(state.snapshot, step), last=step == last)
     monitor.stop()
     if rt.rank == 0:
         events.emit("run_end", status="completed" if last == cfg.steps else "stopped", step=last)

@@ -1,0 +1,157 @@
+"""The checkpoint policy in milliseconds (a fake writer, one process on a 1-rank gloo group), and
+the NVRx writer's life cycle across incarnations (its real background worker).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from trainer.checkpoint import (
+    CHECKPOINTS,
+    SAVE_PHASES,
+    Checkpointer,
+    CheckpointWriteError,
+    SaveHooks,
+    latest_checkpoint,
+    published_checkpoints,
+    step_dir_name,
+    verify_checkpoint,
+    write_rank_checksums,
+)
+from trainer.events import EventLog, read_events
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> Iterator[None]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def new_group() -> dist.ProcessGroup:
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=30))
+
+
+class FakeWriter:
+    """Leaves the files a rank's DCP shard would (no tensors); its write stays busy for
+    ``busy_polls`` polls and fails when ``fail`` is set, like a worker that runs out of disk.
+    """
+
+    mode = "async"
+
+    def __init__(self) -> None:
+        self.busy_polls = 0
+        self.fail = False
+        self.started: dict[dist.ProcessGroup, SaveHooks] = {}
+
+    def start(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:
+        assert group not in self.started, "a save started while one was in flight"
+        hooks.on_phase("stage")
+        hooks.on_phase("plan")
+        (directory / "__0_0.distcp").write_bytes(repr(state_dict).encode())
+        (directory / ".metadata").write_bytes(b"metadata")
+        write_rank_checksums(directory, 0)
+        self.started[group] = hooks
+        hooks.on_phase("write")
+
+    def poll(self, group: dist.ProcessGroup) -> bool:
+        if self.busy_polls:
+            self.busy_polls -= 1
+            return False
+        hooks = self.started.pop(group, None)
+        if hooks is not None:
+            hooks.on_phase("finalize")
+            if self.fail:
+                self.fail = False
+                raise CheckpointWriteError("background write failed: no space left on device")
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+def checkpointer(run_dir: Path, writer: object, **kw: object) -> Checkpointer:
+    """A Checkpointer on a fresh group: each call is a new incarnation of the training function."""
+    options = {"every": 3, "keep_last": 2, **kw}
+    return Checkpointer(run_dir, writer=writer, group=new_group(), events=EventLog(run_dir, 0), fingerprint="f", **options)
+
+
+def state(step: int) -> tuple[dict, dict]:
+    return {"model": {"w": step}}, {"step": step}
+
+
+def run_steps(ckpt: Checkpointer, last: int) -> None:
+    for step in range(1, last + 1):
+        ckpt.step(step, lambda step=step: state(step), last=step == last)
+
+
+def saved(run_dir: Path, event: str = "checkpoint") -> list[int]:
+    return [e["step"] for e in read_events(run_dir) if e["event"] == event]
+
+
+def test_saves_every_interval_and_the_last_step_keeping_the_newest(one_rank: None, tmp_path: Path) -> None:
+    run_steps(checkpointer(tmp_path, FakeWriter()), last=10)
+    assert saved(tmp_path) == [3, 6, 9, 10]
+    assert [step for step, _ in published_checkpoints(tmp_path / CHECKPOINTS)] == [9, 10]
+    assert latest_checkpoint(tmp_path).name == step_dir_name(10)
+    verify_checkpoint(latest_checkpoint(tmp_path), fingerprint="f", world_size=1)
+    assert not list((tmp_path / CHECKPOINTS).glob("*.tmp*"))
+
+
+def test_a_failed_write_is_reported_and_the_next_interval_saves_again(one_rank: None, tmp_path: Path) -> None:
+    writer = FakeWriter()
+    ckpt = checkpointer(tmp_path, writer)
+    writer.fail = True
+    run_steps(ckpt, last=7)
+    assert saved(tmp_path, "checkpoint_failed") == [3]
+    assert saved(tmp_path) == [6, 7]
+    assert not list((tmp_path / CHECKPOINTS).glob("*.tmp*")), "the failed save's files are removed"
+
+
+def test_a_save_waits_until_nothing_is_being_written(one_rank: None, tmp_path: Path) -> None:
+    """An earlier incarnation's write still running: the first save waits for it, beating the
+    heartbeat, instead of staging into buffers the worker is still reading."""
+    writer, beats = FakeWriter(), []
+    ckpt = checkpointer(tmp_path, writer, heartbeat=lambda: beats.append(1))
+    writer.busy_polls = 3
+    ckpt.save(3, lambda: state(3))
+    assert len(beats) == 3 and writer.started
+    ckpt.finish()
+    assert saved(tmp_path) == [3]
+
+
+def test_each_phase_reaches_the_hook_in_order(one_rank: None, tmp_path: Path) -> None:
+    phases = []
+    run_steps(checkpointer(tmp_path, FakeWriter(), on_phase=lambda step, phase: phases.append((step, phase))), last=3)
+    assert phases == [(3, phase) for phase in SAVE_PHASES]
+
+
+# ------------------------------------------------------------------ the real NVRx writer
+@pytest.mark.slow
+def test_async_writer_never_finalizes_an_earlier_incarnations_write(one_rank: None, tmp_path: Path) -> None:
+    """A fault ends an incarnation with its save in flight and no cleanup run (in-process restart
+    raises anywhere): the next incarnation's group abandons that write, waits for the worker, and
+    its own saves publish."""
+    from trainer.resilience import AsyncCheckpointWriter
+
+    writer = AsyncCheckpointWriter(cuda=False)
+    try:
+        tensors = {"w": torch.arange(1 << 16, dtype=torch.float32)}
+        first = checkpointer(tmp_path, writer, every=1)
+        first.save(1, lambda: ({"model": tensors}, {"step": 1}))  # in flight: never polled again
+        abandoned = first.pending.tmp_dir
+        second = checkpointer(tmp_path, writer, every=1)
+        second.save(2, lambda: ({"model": tensors}, {"step": 2}))
+        second.finish()
+        assert saved(tmp_path) == [2]
+        assert not (abandoned / ".metadata").exists(), "the abandoned write was finalized"
+        verify_checkpoint(latest_checkpoint(tmp_path), world_size=1)
+        assert latest_checkpoint(tmp_path).name == step_dir_name(2)
+    finally:
+        writer.close()
