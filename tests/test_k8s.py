@@ -25,7 +25,7 @@ from pipelines.resilient_fsdp import check_parameters, pytorchjob_manifest
 from trainer.k8s import JobFailed, build_pytorchjob, cluster_options, run_pytorchjob, shared_paths
 from trainer.launch import job_from_parameters, operator_env, worker_command
 
-CRD = Path(__file__).resolve().parents[2] / "shared" / "schemas" / "kubeflow.org_pytorchjobs.v1.9.4.yaml"
+CRD = Path(__file__).resolve().parents[1] / "deploy" / "crds" / "kubeflow.org_pytorchjobs.v1.9.4.yaml"  # vendored, see its header
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
