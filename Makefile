@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 RFSDP := $(VENV)/bin/rfsdp
 DEMO := work/demo
 
-.PHONY: setup test stress demo compare lint bench clean
+.PHONY: setup check test stress demo compare lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -18,7 +18,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
+# The fast tier: import contracts, unit and contract tests (no multi-process job).
+check: setup
+	$(VENV)/bin/lint-imports
+	$(PY) -m pytest -q -ra -m "not slow"
+
+# Everything (CI): import contracts, then every test tier this machine can run.
 test: setup
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -ra
 
 # The in-flight-save fault stress alone, 20 runs (half of them beside busy loops on every core).
@@ -61,6 +68,7 @@ bench: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf work .pytest_cache

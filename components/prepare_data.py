@@ -12,14 +12,9 @@ def prepare_data(data: Output[Dataset], source: str = "builtin:python-docs") -> 
         data: the prepared data set (train/val shards and ``manifest.json``).
         source: corpus file or directory, or ``builtin:python-docs`` (the Python docs shipped with Python).
     """
-    from pathlib import Path
+    from trainer.dataprep import prepare_dataset
 
-    from trainer.cli import main
-    from trainer.data import load_manifest
-
-    if main(["prepare-data", "--source", source, "--out", data.path]) != 0:
-        raise RuntimeError(f"prepare-data failed for source {source!r} (the reason is printed above)")
-    manifest = load_manifest(Path(data.path))
+    manifest = prepare_dataset(source, data.path)
     data.metadata.update(
         {"source": source, "tokenizer": manifest["tokenizer"], **{f"{k}_tokens": v["tokens"] for k, v in manifest["splits"].items()}}
     )

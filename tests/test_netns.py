@@ -25,6 +25,8 @@ from trainer.events import read_events
 from trainer.faults import Fault, NodeFault, NodeFaultInjector, parse_fault_spec
 from trainer.netns import LocalCluster, netns_problem
 
+pytestmark = pytest.mark.slow  # real multi-process jobs
+
 PROBLEM = netns_problem()
 needs_netns = pytest.mark.skipif(PROBLEM is not None, reason=f"namespace cluster unavailable here: {PROBLEM}")
 STEPS = "40"

@@ -23,6 +23,8 @@ from tests.test_training import assert_same_tensors
 from trainer.checkpoint import CHECKPOINTS, SAVE_PHASES, latest_checkpoint, read_full_state, step_dir_name, verify_checkpoint
 from trainer.events import read_events
 
+pytestmark = pytest.mark.slow  # real multi-process jobs
+
 
 def restarts(run: Path) -> list[dict]:
     return [e for e in read_events(run) if e["event"] == "restart"]
@@ -127,7 +129,6 @@ def cpu_hogs(repeat: int) -> Iterator[int]:
         hog.wait()
 
 
-@pytest.mark.slow
 @pytest.mark.stress
 @pytest.mark.parametrize("repeat", range(REPEAT))
 def test_soft_fault_in_every_save_phase_recovers_in_process(data_dir: Path, baseline_60: Path, tmp_path: Path, cpu_hogs: int) -> None:

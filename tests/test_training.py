@@ -5,11 +5,14 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.conftest import losses, rfsdp, train
 from trainer.checkpoint import CHECKPOINTS, latest_checkpoint, read_full_state, verify_checkpoint
 from trainer.events import read_events
+
+pytestmark = pytest.mark.slow  # real multi-process jobs
 
 
 def assert_same_tensors(a: dict, b: dict) -> None:

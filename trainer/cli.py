@@ -11,30 +11,13 @@ import tempfile
 from pathlib import Path
 
 from trainer.config import TrainConfig, add_train_arguments
+from trainer.dataprep import DEFAULT_SHARD_TOKENS
 
 
 def _prepare_data(args: argparse.Namespace) -> int:
-    from trainer.data import BUILTIN_CORPUS, MANIFEST, builtin_corpus_text, prepare_tokens
-    from trainer.storage import is_remote, open_storage, read_corpus, upload_tree
+    from trainer.dataprep import prepare_dataset
 
-    if is_remote(args.out):
-        open_storage(args.out).check()  # a missing bucket or bad credentials fail before the work
-    if args.source == BUILTIN_CORPUS:
-        text = builtin_corpus_text()
-    elif is_remote(args.source):
-        text = read_corpus(args.source)
-    else:
-        source = Path(args.source.removeprefix("file://"))
-        files = sorted(p for p in source.rglob("*") if p.is_file()) if source.is_dir() else [source]
-        if not files or not all(p.exists() for p in files):
-            raise ValueError(f"--source: no corpus file at {args.source}")
-        text = "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
-    if is_remote(args.out):  # shards first, the manifest last: readers never see a partial data set
-        with tempfile.TemporaryDirectory() as tmp:
-            manifest = prepare_tokens(text, Path(tmp), shard_tokens=args.shard_tokens, source=args.source)
-            upload_tree(Path(tmp), args.out, last=MANIFEST)
-    else:
-        manifest = prepare_tokens(text, Path(args.out.removeprefix("file://")), shard_tokens=args.shard_tokens, source=args.source)
+    manifest = prepare_dataset(args.source, args.out, shard_tokens=args.shard_tokens)
     splits = ", ".join(f"{k}: {v['tokens']:,} tokens in {len(v['shards'])} shard(s)" for k, v in manifest["splits"].items())
     print(f"prepared {args.out} ({splits}; tokenizer {manifest['tokenizer']})")
     return 0
@@ -181,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--source", default="builtin:python-docs", help="corpus file, dir or s3:// prefix (default: the Python docs that ship with Python)"
     )
     p.add_argument("--out", required=True, help="output directory or s3://bucket/prefix for shards + manifest.json")
-    p.add_argument("--shard-tokens", type=int, default=1 << 20, help="tokens per shard file")
+    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
     p.set_defaults(func=_prepare_data)
 
     p = sub.add_parser("train", help="run resilient FSDP training locally (ft_launcher per replica)")

@@ -6,21 +6,11 @@ Each run's ``events.jsonl`` is read back from MLflow's artifacts and summarized 
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import pandas as pd
 
-from trainer.events import EVENTS_FILE, read_events
-from trainer.tracking import (
-    DEFAULT_EXPERIMENT,
-    RUN_KEY_TAG,
-    checkpoint_table,
-    resolve_tracking_uri,
-    summarize,
-    wait_for_server,
-)
+from trainer.tracking import DEFAULT_EXPERIMENT, checkpoint_table, logged_runs, summarize
 
 
 @dataclass
@@ -54,25 +44,8 @@ def load_runs(experiment: str = DEFAULT_EXPERIMENT, tracking_uri: str | None = N
     Raises:
         ValueError: no such experiment at that tracking URI.
     """
-    from mlflow import MlflowClient
-
-    uri = resolve_tracking_uri(tracking_uri or None)
-    wait_for_server(uri)
-    client = MlflowClient(tracking_uri=uri)
-    found = client.get_experiment_by_name(experiment)
-    if found is None or found.lifecycle_stage == "deleted":
-        raise ValueError(f"experiment: no MLflow experiment named {experiment!r} at {uri}")
-    runs = client.search_runs([found.experiment_id], order_by=["attributes.start_time ASC"])
-    records = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for run in runs:
-            if RUN_KEY_TAG not in run.data.tags:
-                continue  # not a run-dir run (e.g. logged by hand): nothing to compare
-            dst = Path(tmp) / run.info.run_id
-            dst.mkdir()
-            client.download_artifacts(run.info.run_id, EVENTS_FILE, str(dst))
-            events = read_events(dst)
-            records.append(RunRecord(run.info.run_id, run.info.run_name, dict(run.data.params), events, summarize(events)))
+    runs = logged_runs(experiment, tracking_uri)
+    records = [RunRecord(run.run_id, run.name, run.params, run.events, summarize(run.events)) for run in runs]
     names = [r.name for r in records]
     for r in records:  # the run name (the run dir's name) labels a run unless two runs share it
         r.label = r.name if names.count(r.name) == 1 else f"{r.name} ({r.run_id[:8]})"

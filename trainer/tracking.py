@@ -16,9 +16,11 @@ import hashlib
 import json
 import os
 import statistics
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
@@ -284,6 +286,43 @@ def wait_for_server(tracking_uri: str, *, retries: int = 5, backoff_s: float = 1
     raise TrackingError(
         f"MLflow tracking server {tracking_uri} did not answer after {retries} attempts over {time.monotonic() - t0:.1f} s ({error})"
     )
+
+
+@dataclass(frozen=True, slots=True)
+class LoggedRun:
+    """A run :func:`log_run` logged, read back: its identity, params and events."""
+
+    run_id: str
+    name: str
+    params: dict[str, str]
+    events: list[dict]
+
+
+def logged_runs(experiment: str = DEFAULT_EXPERIMENT, tracking_uri: str | None = None) -> list[LoggedRun]:
+    """Every active run that :func:`log_run` logged into ``experiment``, oldest first, with the
+    ``events.jsonl`` it logged (runs logged by other means are skipped).
+
+    Raises:
+        ValueError: no such experiment at that tracking URI.
+    """
+    from mlflow import MlflowClient
+
+    uri = resolve_tracking_uri(tracking_uri or None)
+    wait_for_server(uri)
+    client = MlflowClient(tracking_uri=uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None or found.lifecycle_stage == "deleted":
+        raise ValueError(f"experiment: no MLflow experiment named {experiment!r} at {uri}")
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for run in client.search_runs([found.experiment_id], order_by=["attributes.start_time ASC"]):
+            if RUN_KEY_TAG not in run.data.tags:
+                continue
+            dst = Path(tmp) / run.info.run_id
+            dst.mkdir()
+            client.download_artifacts(run.info.run_id, EVENTS_FILE, str(dst))
+            runs.append(LoggedRun(run.info.run_id, run.info.run_name, dict(run.data.params), read_events(dst)))
+    return runs
 
 
 def _sha256(data: bytes) -> str:

@@ -1,0 +1,36 @@
+"""The import contracts in ``pyproject.toml`` (import-linter): they hold, and they catch a breach."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("trainer", "components", "pipelines", "bench")
+
+
+def lint_imports(cwd: Path) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).with_name("lint-imports")
+    return subprocess.run([str(exe), "--no-cache"], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def test_import_contracts_hold() -> None:
+    proc = lint_imports(ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_an_upward_import_breaks_the_layers(tmp_path: Path) -> None:
+    for name in PACKAGES:
+        shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    with open(tmp_path / "trainer" / "events.py", "a") as f:
+        f.write("\nfrom trainer.cli import main  # a deliberate violation: the bottom layer imports the top\n")
+    with open(tmp_path / "trainer" / "summary.py", "a") as f:
+        f.write("\nimport mlflow  # a deliberate violation: only trainer.tracking talks to MLflow\n")
+    proc = lint_imports(tmp_path)
+    assert proc.returncode != 0
+    assert "Layers: the CLI on top" in proc.stdout and "BROKEN" in proc.stdout
+    assert "trainer.events -> trainer.cli" in proc.stdout
+    assert "Only trainer.tracking imports MLflow BROKEN" in proc.stdout.replace("\n", " ")
