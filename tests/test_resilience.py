@@ -54,6 +54,16 @@ def test_each_fault_is_recovered_exactly(data_dir: Path, baseline_60: Path, tmp_
     assert losses(run) == losses(baseline_60)
 
 
+def test_a_recurring_soft_fault_is_handed_to_in_job_restart(data_dir: Path, baseline_60: Path, tmp_path: Path) -> None:
+    """Three exceptions in a row on the same workers, two in-process restarts allowed: the third
+    ends the workers and ft_launcher restarts them; the new workers may restart in-process again."""
+    run = tmp_path / "run"
+    faults = "exception@12:1,exception@13:1,exception@14:0,exception@25:1"
+    train(data_dir, run, "--steps", "60", "--fault", faults, "--max-inprocess-restarts", "2")
+    assert [r["layer"] for r in restarts(run)] == ["in_process", "in_process", "in_job", "in_process"]
+    assert losses(run) == losses(baseline_60)
+
+
 def test_exception_without_inprocess_falls_to_in_job(data_dir: Path, baseline_60: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     train(data_dir, run, "--steps", "60", "--fault", "exception@15:1", "--no-inprocess-restart")
@@ -133,7 +143,7 @@ def cpu_hogs(repeat: int) -> Iterator[int]:
 @pytest.mark.parametrize("repeat", range(REPEAT))
 def test_soft_fault_in_every_save_phase_recovers_in_process(data_dir: Path, baseline_60: Path, tmp_path: Path, cpu_hogs: int) -> None:
     run = tmp_path / "run"
-    train(data_dir, run, "--steps", "60", "--ckpt-every", "5", "--fault", PHASE_FAULTS, timeout=900)
+    train(data_dir, run, "--steps", "60", "--ckpt-every", "5", "--fault", PHASE_FAULTS, "--max-inprocess-restarts", "8", timeout=900)
     events = read_events(run)
     fired = [(e["step"], e["phase"], e["rank"]) for e in events if e["event"] == "fault"]
     assert fired == [(5 * (i + 1), phase, i % 2) for i, phase in enumerate(SAVE_PHASES * 2)]

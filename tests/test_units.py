@@ -32,6 +32,7 @@ def cfg(**kw) -> TrainConfig:
         ({"fault": "exception@999"}, "--fault"),
         ({"fault": "sigkill@3:5"}, "--fault"),
         ({"fault": "sigkill-3"}, "--fault"),
+        ({"max_inprocess_restarts": -1}, "--max-inprocess-restarts"),
         ({"fault": "exception@10/commit"}, "--fault: 'exception@10/commit': /PHASE is one of stage, plan, write, finalize"),
         ({"fault": "exception@7/write"}, "--fault: exception@7/write:0 fires inside a save, but step 7 has no async save"),
         ({"fault": "exception@10/write", "ckpt_mode": "sync"}, "step 10 has no async save"),

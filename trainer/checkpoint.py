@@ -398,4 +398,4 @@ def read_full_state(path: Path) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(tmp) / "full.pt"
         dcp_to_torch_save(path, target)
-        return torch.load(target, weights_only=False)
+        return torch.load(target, weights_only=True)

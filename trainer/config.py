@@ -60,6 +60,9 @@ class TrainConfig:
     """Fault schedule ``KIND@STEP[/PHASE][:RANK],...`` (see ``trainer.faults``)."""
     inprocess_restart: bool = True
     """Recover soft faults inside the running processes (NVRx ``inprocess.Wrapper``)."""
+    max_inprocess_restarts: int = 5
+    """In-process restarts the same worker processes may do; one more fault ends them and in-job
+    restart takes over (a fault that recurs must not restart forever)."""
     hang_timeout: float = 10.0
     """Seconds without a heartbeat before a rank is declared hung (other timeouts derive)."""
     checkpoint_uri: str = ""
@@ -70,6 +73,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.model not in MODEL_SIZES:
             raise ValueError(f"--model: unknown model {self.model!r} (known: {', '.join(MODEL_SIZES)})")
+        if self.max_inprocess_restarts < 0:
+            raise ValueError(f"--max-inprocess-restarts must be at least 0, got {self.max_inprocess_restarts}")
         for name in ("steps", "ckpt_every", "keep_last", "batch_size", "world_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")

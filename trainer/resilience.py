@@ -297,14 +297,16 @@ def make_store(attempt: Attempt, timeout_s: float) -> dist.Store | None:
     )
 
 
-def run_restartable(train_fn: Callable[[Attempt], None], timeouts: Timeouts, *, cuda: bool) -> None:
+def run_restartable(train_fn: Callable[[Attempt], None], timeouts: Timeouts, *, cuda: bool, max_restarts: int) -> None:
     """Run ``train_fn`` inside NVRx's ``inprocess.Wrapper``: a Python exception or a stuck rank
-    restarts it in the same processes with a fresh store and process group. Faults it cannot
-    handle (a killed process, a rank stuck in C code past the hard timeout) end the processes
-    and ft_launcher's in-job restart takes over.
+    restarts it in the same processes with a fresh store and process group, at most
+    ``max_restarts`` times. Faults it cannot handle (a killed process, a rank stuck in C code past
+    the hard timeout, one restart too many) end the processes and ft_launcher's in-job restart
+    takes over.
     """
     base = _port_base()
     wrapper = inprocess.Wrapper(
+        initialize=inprocess.initialize.RetryController(max_iterations=max_restarts + 1),
         store_kwargs={"port": base, "timeout": datetime.timedelta(seconds=timeouts.barrier)},
         health_check=inprocess.health_check.CudaHealthCheck() if cuda else None,
         soft_timeout=datetime.timedelta(seconds=timeouts.soft),

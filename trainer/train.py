@@ -58,7 +58,7 @@ class TrainState:
     def load(self, path: Path) -> None:
         """Restore everything from a published checkpoint directory."""
         load_tensors(self.model, self.optimizer, path, self.group)
-        rank_state = torch.load(path / rank_state_file(dist.get_rank()), weights_only=False)
+        rank_state = torch.load(path / rank_state_file(dist.get_rank()), weights_only=True)
         self.loader.load_state_dict(rank_state["loader"])
         set_rng_state(rank_state["rng"])
         self.monitor.load_state_dict(rank_state["rank_monitor"])
@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     mirror = CheckpointMirror(cfg.checkpoint_uri, Path(cfg.run_dir), keep_last=cfg.keep_last) if primary else None
     try:
         if cfg.inprocess_restart:
-            run_restartable(partial(train, cfg, writer, mirror), Timeouts(cfg.hang_timeout, True), cuda=cuda)
+            timeouts = Timeouts(cfg.hang_timeout, True)
+            run_restartable(partial(train, cfg, writer, mirror), timeouts, cuda=cuda, max_restarts=cfg.max_inprocess_restarts)
         else:
             train(cfg, writer, mirror, Attempt())
     finally:

@@ -498,8 +498,8 @@ def _check_replays(t: _Target) -> Check:
         produced = scratch / CHECKPOINTS / step_dir_name(t.step)
         diffs = _differences(t.state, read_full_state(produced))
         for rank in range(world):
-            ours = torch.load(t.path / rank_state_file(rank), weights_only=False)
-            theirs = torch.load(produced / rank_state_file(rank), weights_only=False)
+            ours = torch.load(t.path / rank_state_file(rank), weights_only=True)
+            theirs = torch.load(produced / rank_state_file(rank), weights_only=True)
             diffs += [f"{rank_state_file(rank)}:{d}" for d in _differences(_trajectory(ours), _trajectory(theirs))]
         values["state_mismatches"] = len(diffs)
         if diffs:
@@ -593,7 +593,7 @@ def _load_resharded(path: Path, cfg: TrainConfig, world_size: int) -> dict:
             for proc in ctx.processes:
                 if proc.is_alive():
                     proc.kill()
-        return torch.load(out, weights_only=False)
+        return torch.load(out, weights_only=True)
 
 
 def _reshard_worker(rank: int, world_size: int, rdzv_file: str, path: str, cfg: TrainConfig, out: str) -> None:
