@@ -126,6 +126,19 @@ def test_a_save_waits_until_nothing_is_being_written(one_rank: None, tmp_path: P
     assert saved(tmp_path) == [3]
 
 
+def test_resume_repairs_a_stale_latest(one_rank: None, tmp_path: Path) -> None:
+    """Rank 0 died between publishing step 6 and moving ``latest``: the next start resumes from
+    step 6 and points ``latest`` at it."""
+    run_steps(checkpointer(tmp_path, FakeWriter()), last=6)
+    (tmp_path / CHECKPOINTS / "latest").write_text(step_dir_name(3) + "\n")
+    loaded = []
+    assert checkpointer(tmp_path, FakeWriter()).load_latest(loaded.append) == 6
+    assert loaded == [tmp_path / CHECKPOINTS / step_dir_name(6)]
+    assert latest_checkpoint(tmp_path).name == step_dir_name(6)
+    (warning,) = [e for e in read_events(tmp_path) if e["event"] == "warning"]
+    assert warning["kind"] == "latest_repaired" and warning["was"] == step_dir_name(3)
+
+
 def test_each_phase_reaches_the_hook_in_order(one_rank: None, tmp_path: Path) -> None:
     phases = []
     run_steps(checkpointer(tmp_path, FakeWriter(), on_phase=lambda step, phase: phases.append((step, phase))), last=3)

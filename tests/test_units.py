@@ -10,7 +10,7 @@ import pytest
 
 from trainer.config import Timeouts, TrainConfig
 from trainer.data import DataError, TokenLoader, decode, encode, load_manifest, load_split, prepare_tokens, verify_shards
-from trainer.events import describe_restart, final_losses
+from trainer.events import describe_restart, final_losses, parse_event_lines
 from trainer.faults import parse_fault_spec
 from trainer.launch import LaunchSpec, check_launch
 from trainer.train import lr_at
@@ -125,6 +125,12 @@ def test_describe_restart_measures_from_the_fault() -> None:
     ]
     r = describe_restart(prior, layer="in_process", resumed_from=10, first_step_time=20.0)
     assert r == {"layer": "in_process", "attempt": 1, "resumed_from_step": 10, "lost_steps": 4, "recovery_s": 5.5}
+
+
+def test_torn_event_lines_are_skipped() -> None:
+    """A writer killed mid-line leaves a partial line; the next writer's line follows on it."""
+    text = '{"event": "step", "step": 1}\n{"event": "step", "st{"event": "step", "step": 2}\n{"event": "step", "step": 3}\n'
+    assert [e["step"] for e in parse_event_lines(text)] == [1, 3]
 
 
 def test_final_losses_take_the_last_line() -> None:

@@ -195,7 +195,8 @@ class Checkpointer:
         """Resume from the newest checkpoint that verifies; returns its step (0: none).
 
         ``load`` receives the chosen directory and restores model, optimizer and rank state.
-        Invalid checkpoints are skipped with a ``warning`` event.
+        Invalid checkpoints are skipped with a ``warning`` event. ``latest`` is pointed at the
+        chosen one if it names another (rank 0 died between publishing and moving it).
         """
         chosen = [None]
         if self.rank == 0:
@@ -208,6 +209,10 @@ class Checkpointer:
                     continue
                 chosen = [step]
                 break
+            latest = latest_checkpoint(self.root.parent)
+            if chosen[0] is not None and (latest is None or latest.name != step_dir_name(chosen[0])):
+                atomic_write_text(self.root / LATEST, step_dir_name(chosen[0]) + "\n")
+                self.events.emit("warning", kind="latest_repaired", step=chosen[0], was=latest.name if latest else None)
         dist.broadcast_object_list(chosen, src=0, group=self.group)
         if chosen[0] is None:
             return 0

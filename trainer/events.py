@@ -35,20 +35,20 @@ class EventLog:
 
 
 def read_events(run_dir: Path) -> list[dict]:
-    """All events of a run, in file order (a torn last line from a killed writer is skipped)."""
-    return list(iter_events(Path(run_dir) / EVENTS_FILE))
+    """All events of a run, in file order (torn lines from killed writers are skipped)."""
+    path = Path(run_dir) / EVENTS_FILE
+    return list(parse_event_lines(path.read_text())) if path.exists() else []
 
 
-def iter_events(path: Path) -> Iterator[dict]:
-    """Events from an events file, skipping a torn trailing line."""
-    if not path.exists():
-        return
-    with open(path) as f:
-        for line in f:
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                continue
+def parse_event_lines(text: str) -> Iterator[dict]:
+    """The events in ``text``, skipping torn lines: a process killed mid-write leaves a partial
+    line, which the next writer's line then follows on the same line.
+    """
+    for line in text.splitlines():
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError:
+            continue
 
 
 def final_losses(events: list[dict]) -> dict[int, float]:

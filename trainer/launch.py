@@ -26,7 +26,7 @@ from typing import IO, Any, Protocol
 
 from trainer.config import TRAJECTORY_FIELDS, Timeouts, TrainConfig
 from trainer.data import DataError, load_manifest, verify_shards
-from trainer.events import EVENTS_FILE, EventLog
+from trainer.events import EVENTS_FILE, EventLog, parse_event_lines
 from trainer.faults import NodeControl, NodeFault, NodeFaultInjector, parse_fault_spec
 from trainer.storage import StorageError, local_data, open_storage
 
@@ -304,7 +304,7 @@ def _wait_with_progress(cfg: TrainConfig, replicas: list[_Replica], budget: int,
                     chunk = f.read()
                 complete = chunk[: chunk.rfind("\n") + 1]
                 seen += len(complete.encode())
-                for e in iter_lines(complete):
+                for e in parse_event_lines(complete):
                     if e["event"] == "step":
                         tps = e.get("tokens", 0) / max(e["step_time_s"], 1e-9)
                         bar.update(task, completed=e["step"], info=f"loss {e['loss']:.4f}  {tps:,.0f} tok/s  restarts {restarts}")
@@ -312,8 +312,3 @@ def _wait_with_progress(cfg: TrainConfig, replicas: list[_Replica], budget: int,
                             injector.observe(e["step"])
                     elif e["event"] == "restart":
                         restarts += 1
-
-
-def iter_lines(text: str) -> list[dict]:
-    """Parse complete JSON lines."""
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
