@@ -183,3 +183,14 @@ def test_outside_internals_the_async_writer_relies_on() -> None:
     assert list(inspect.signature(save_fn).parameters) == ["transform_list", "use_msc", "rank", "write_buckets", "global_results_queue"]
     assert callable(filesystem_async._get_write_results_queue)
     assert callable(_state_dict_utils._copy_state_dict) and callable(_state_dict_utils._create_cpu_state_dict)
+
+
+def test_validation_replays_never_touch_the_runs_mirror_or_faults(tmp_path: Path, data_dir: Path) -> None:
+    from trainer.events import EventLog
+    from trainer.validate import _run_config
+
+    recorded = cfg(fault="exception@5:1", checkpoint_uri="s3://production/run", stop_at_step=30).to_dict()
+    EventLog(tmp_path, 0).emit("run_start", config=recorded, resumed_from_step=0, world_size=2)
+    replay = _run_config(tmp_path, data_dir)
+    assert (replay.checkpoint_uri, replay.fault, replay.stop_at_step) == ("", "", 0)
+    assert replay.trajectory_hash() == cfg(**{k: v for k, v in recorded.items() if k not in ("data", "run_dir")}).trajectory_hash()

@@ -271,8 +271,9 @@ def _run_config(run_dir: Path, data: Path | None) -> TrainConfig:
         raise ValidationError(f"--data {data}: {e}") from None
     names = {f.name for f in dataclasses.fields(TrainConfig)} - {"faults"}
     fields = {k: v for k, v in recorded.items() if k in names}
-    # The validation's own runs never inject the run's faults nor stop where it stopped.
-    fields.update(data=str(data), run_dir=str(run_dir), fault="", stop_at_step=0)
+    # The validation's own runs never inject the run's faults, stop where it stopped, nor write to
+    # its checkpoint mirror (a replay would overwrite the production run's events and config there).
+    fields.update(data=str(data), run_dir=str(run_dir), fault="", stop_at_step=0, checkpoint_uri="")
     try:
         return TrainConfig(**fields)
     except (TypeError, ValueError) as e:
