@@ -10,15 +10,17 @@ durable, the expectation is read from the run's own events.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import losses, train
+from tests.conftest import ROOT, losses, train
 from tests.test_training import assert_same_tensors
 from trainer.checkpoint import CHECKPOINTS, SAVE_PHASES, latest_checkpoint, read_full_state, step_dir_name, verify_checkpoint
 from trainer.events import read_events
@@ -62,6 +64,22 @@ def test_a_recurring_soft_fault_is_handed_to_in_job_restart(data_dir: Path, base
     train(data_dir, run, "--steps", "60", "--fault", faults, "--max-inprocess-restarts", "2")
     assert [r["layer"] for r in restarts(run)] == ["in_process", "in_process", "in_job", "in_process"]
     assert losses(run) == losses(baseline_60)
+
+
+def test_sigterm_stops_the_whole_job(data_dir: Path, tmp_path: Path) -> None:
+    """A scheduler stops `rfsdp train` with SIGTERM: its replica launchers (own sessions) and their
+    workers stop with it, none is orphaned."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trainer.cli", "train", "--quiet", "--data", str(data_dir), "--run-dir", str(run), "--steps", "1000"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not any(e["event"] == "step" for e in read_events(run)):  # the workers are training
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "stopped" in err
+    assert not subprocess.run(["pgrep", "-f", f"--run-dir {run}"], capture_output=True, text=True).stdout.split()
 
 
 def test_exception_without_inprocess_falls_to_in_job(data_dir: Path, baseline_60: Path, tmp_path: Path) -> None:

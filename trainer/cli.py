@@ -6,8 +6,10 @@ import argparse
 import atexit
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from trainer.config import TrainConfig, add_train_arguments
@@ -222,14 +224,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``rfsdp`` console script."""
     args = build_parser().parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        # A scheduler stops us with SIGTERM: unwind like Ctrl-C, so that what we started (replica
+        # launchers run in their own sessions) is stopped instead of orphaned.
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
         return args.func(args)
     except ValueError as e:  # bad input: one clear line, no traceback
         print(f"rfsdp {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"rfsdp {args.command}: stopped; the processes it started are stopped too", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
