@@ -17,6 +17,7 @@ COPY pyproject.toml README.md ./
 COPY trainer trainer
 COPY components components
 COPY pipelines pipelines
+COPY bench bench
 # Installs kfp (the components run with install_kfp_package=False), kubeflow-training, NVRx
 # (ft_launcher on PATH), mlflow and boto3; the import check fails the build, not the first run.
 RUN pip install . \
