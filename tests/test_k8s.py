@@ -10,6 +10,7 @@ import _thread
 import copy
 import json
 import re
+import signal
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -274,11 +275,17 @@ def test_run_pytorchjob_fails_with_the_jobs_reason() -> None:
 
 
 def test_cancel_deletes_the_job() -> None:
-    with FakeApiServer([condition("Created"), condition("Running")]) as api:
-        # Cancel while the step is polling the running job: what the step's SIGTERM handler raises.
-        api.on_get = lambda gets: _thread.interrupt_main() if gets == 3 else None
-        with pytest.raises(KeyboardInterrupt):
-            run_pytorchjob(job_for(), training_client=api.client(), poll_s=1, timeout_s=60, log=lambda s: None)
+    # interrupt_main() does nothing where SIGINT is ignored (tests started as a background job of a
+    # shell): SIGINT gets Python's own handler for this test.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with FakeApiServer([condition("Created"), condition("Running")]) as api:
+            # Cancel while the step is polling the running job: what the step's SIGTERM handler raises.
+            api.on_get = lambda gets: _thread.interrupt_main() if gets == 3 else None
+            with pytest.raises(KeyboardInterrupt):
+                run_pytorchjob(job_for(), training_client=api.client(), poll_s=1, timeout_s=60, log=lambda s: None)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert ("DELETE", f"{JOBS}/exp-1") in api.calls()
     assert api.jobs == {}
     assert_rbac_allows(api.calls())

@@ -163,10 +163,13 @@ def test_cluster_hosts_are_separate_and_torn_down() -> None:
 @needs_netns
 def test_ctrl_c_tears_everything_down(data_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
+    # A run far longer than the wait below, so only Ctrl-C can end it in time; SIGINT restored to
+    # its default in the child (a shell's background job starts with it ignored).
     proc = subprocess.Popen(
         [sys.executable, "-m", "trainer.cli", "train", "--quiet", "--data", str(data_dir), "--run-dir", str(run),
-         "--nnodes", "2", "--nproc-per-node", "1", "--netns"],
+         "--nnodes", "2", "--nproc-per-node", "1", "--netns", "--steps", "100000"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     tag = f"rfsdp{proc.pid}-"
     deadline = time.monotonic() + 120
