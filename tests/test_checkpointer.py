@@ -4,6 +4,7 @@ the NVRx writer's life cycle across incarnations (its real background worker).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from collections.abc import Iterator
 from pathlib import Path
@@ -137,6 +138,22 @@ def test_resume_repairs_a_stale_latest(one_rank: None, tmp_path: Path) -> None:
     assert latest_checkpoint(tmp_path).name == step_dir_name(6)
     (warning,) = [e for e in read_events(tmp_path) if e["event"] == "warning"]
     assert warning["kind"] == "latest_repaired" and warning["was"] == step_dir_name(3)
+
+
+def test_publication_is_atomic_for_in_process_restart(one_rank: None, tmp_path: Path) -> None:
+    """Rank 0 publishes inside ``atomic()``: another rank's fault cannot interrupt it between the
+    rename and the move of ``latest`` (in-process restart raises asynchronously elsewhere)."""
+    inside, seen = [], []
+
+    @contextlib.contextmanager
+    def atomic() -> Iterator[None]:
+        inside.append(True)
+        yield
+        inside.pop()
+
+    ckpt = checkpointer(tmp_path, FakeWriter(), atomic=atomic, on_published=lambda path: seen.append((path.name, bool(inside))))
+    run_steps(ckpt, last=3)
+    assert seen == [(step_dir_name(3), True)] and not inside
 
 
 def test_each_phase_reaches_the_hook_in_order(one_rank: None, tmp_path: Path) -> None:

@@ -271,21 +271,25 @@ class Checkpointer:
         self.pending = None
         dist.barrier(group=self.save_group)  # every rank's checksums and rank 0's .metadata are on disk
         if self.rank == 0:
-            try:
-                final = self._publish(pending)
-            except (CheckpointError, OSError) as e:
-                self._fail(pending, e)
-                return
-            self.events.emit(
-                "checkpoint",
-                step=pending.step,
-                mode=self.writer.mode,
-                blocking_s=pending.blocking_s,
-                total_s=time.time() - pending.started,
-                bytes=checkpoint_bytes(final),
-            )
-            if self.on_published is not None:
-                self.on_published(final)
+            with self.atomic():  # local and short: another rank's fault must not cut a publication in half
+                self._publish_and_report(pending)
+
+    def _publish_and_report(self, pending: _Pending) -> None:
+        try:
+            final = self._publish(pending)
+        except (CheckpointError, OSError) as e:
+            self._fail(pending, e)
+            return
+        self.events.emit(
+            "checkpoint",
+            step=pending.step,
+            mode=self.writer.mode,
+            blocking_s=pending.blocking_s,
+            total_s=time.time() - pending.started,
+            bytes=checkpoint_bytes(final),
+        )
+        if self.on_published is not None:
+            self.on_published(final)
 
     def _fail(self, pending: _Pending, error: Exception) -> None:
         # Not fatal: the save is retried at the next interval; nothing is published.
