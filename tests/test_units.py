@@ -12,7 +12,7 @@ from trainer.config import Timeouts, TrainConfig
 from trainer.data import DataError, TokenLoader, decode, encode, load_manifest, load_split, prepare_tokens, verify_shards
 from trainer.events import describe_restart, final_losses, parse_event_lines
 from trainer.faults import parse_fault_spec
-from trainer.launch import LaunchSpec, check_launch
+from trainer.launch import STORE_PORT_SPAN, LaunchSpec, check_launch, free_port_base
 from trainer.train import lr_at
 
 
@@ -194,3 +194,15 @@ def test_validation_replays_never_touch_the_runs_mirror_or_faults(tmp_path: Path
     replay = _run_config(tmp_path, data_dir)
     assert (replay.checkpoint_uri, replay.fault, replay.stop_at_step) == ("", "", 0)
     assert replay.trajectory_hash() == cfg(**{k: v for k, v in recorded.items() if k not in ("data", "run_dir")}).trajectory_hash()
+
+
+def test_store_port_block_is_free_and_outside_the_ephemeral_range() -> None:
+    import socket
+
+    low, _high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    base = free_port_base()
+    assert base + STORE_PORT_SPAN <= low  # an outgoing connection can never take a store's port
+    with socket.socket() as s:  # the block's ends are bindable
+        s.bind(("127.0.0.1", base))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", base + STORE_PORT_SPAN - 1))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -148,6 +149,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The in-process restart stores listen on PORT_BASE + 100 * (MASTER_PORT % 16) + 1 + attempt
+# (trainer.resilience): a block of 16 x 100 ports.
+STORE_PORT_SPAN = 1600
+
+
+def free_port_base(span: int = STORE_PORT_SPAN, *, low: int = 10000, high: int = 32000) -> int:
+    """The first of ``span`` ports, all free on loopback right now, below the kernel's ephemeral
+    range (32768 and up on Linux) so that no outgoing connection (gloo opens many) takes one later.
+    """
+    rng = random.Random()
+    for _ in range(100):
+        base = rng.randrange(low, high - span)
+        if all(_port_free(port) for port in range(base, base + span)):
+            return base
+    raise RuntimeError(f"no block of {span} free ports between {low} and {high}")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 class Placement(Protocol):
     """Where each replica (one ft_launcher and its workers) runs."""
 
@@ -210,7 +237,7 @@ def launch_local(
     env = {
         **os.environ,
         **operator_env(spec, rdzv_endpoint=placement.rdzv_endpoint(), job_id=f"rfsdp-{os.getpid()}"),
-        "RFSDP_PORT_BASE": str(free_port()),
+        "RFSDP_PORT_BASE": str(free_port_base()),
     }
     argv = worker_command(cfg, str(Path(sys.executable).parent / "ft_launcher"))
     replicas = [
