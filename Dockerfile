@@ -21,7 +21,7 @@ COPY bench bench
 # Installs kfp (the components run with install_kfp_package=False), kubeflow-training, NVRx
 # (ft_launcher on PATH), mlflow and boto3; the import check fails the build, not the first run.
 RUN pip install . \
- && python -c "import kfp, kubeflow.training, nvidia_resiliency_ext, mlflow, boto3, trainer.train, trainer.k8s, pipelines.resilient_fsdp" \
+ && python -c "import kfp, kubeflow.training, nvidia_resiliency_ext, mlflow, boto3, trainer.rank.train, trainer.launch.k8s, pipelines.resilient_fsdp" \
  && command -v ft_launcher rfsdp
 
 # KFP runs the components' own command; a bare `docker run` shows the CLI.

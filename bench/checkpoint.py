@@ -42,12 +42,12 @@ from bench.common import (
     target,
 )
 from trainer.checkpoint import Checkpointer, SyncDcpWriter
-from trainer.data import TokenLoader, load_split
+from trainer.data.shards import TokenLoader, load_split
 from trainer.events import EventLog
-from trainer.model import ModelSize, parameter_count
-from trainer.resilience import AsyncCheckpointWriter, RankMonitor
-from trainer.runtime import build_fsdp_model, detect_runtime, init_process_group
-from trainer.train import TrainState, train_step
+from trainer.rank.model import ModelSize, parameter_count
+from trainer.rank.resilience import AsyncCheckpointWriter, RankMonitor
+from trainer.rank.runtime import build_fsdp_model, detect_runtime, init_process_group
+from trainer.rank.train import TrainState, train_step
 
 METHODS = ("nvrx_async", "torch_save", "dcp_save", "dcp_async_save")
 REFERENCE = "torch_save"

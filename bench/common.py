@@ -21,9 +21,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from trainer.config import TrainConfig
-from trainer.data import BUILTIN_CORPUS, builtin_corpus_text, load_manifest, prepare_tokens
-from trainer.launch import LaunchSpec, free_port, launch_local
+from trainer.data.shards import BUILTIN_CORPUS, builtin_corpus_text, load_manifest, prepare_tokens
+from trainer.launch.local import LaunchSpec, free_port, launch_local
+from trainer.rank.config import TrainConfig
 
 DEFAULT_WORK = Path("work/bench")
 
@@ -119,7 +119,7 @@ def run_torchrun_trainer(cfg: TrainConfig, *, max_restarts: int, timeout: float 
         raise ValueError("torchrun runs the trainer without in-process restart (inprocess_restart=False)")
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     log = Path(cfg.run_dir) / "logs" / "torchrun.log"
-    return run_torchrun("trainer.train", cfg.to_argv(), log, nproc=cfg.world_size, max_restarts=max_restarts, timeout=timeout)
+    return run_torchrun("trainer.rank.train", cfg.to_argv(), log, nproc=cfg.world_size, max_restarts=max_restarts, timeout=timeout)
 
 
 def machine() -> dict:

@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.common import fmt, fresh_dir, interleaved, median, print_table, print_targets, ratio, run_rfsdp, run_torchrun_trainer, target
-from trainer.config import TrainConfig
 from trainer.events import read_events
+from trainer.rank.config import TrainConfig
 
 METHODS = ("resilient", "baseline")
 FULL = {

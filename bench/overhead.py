@@ -18,12 +18,12 @@ import torch
 import torch.distributed as dist
 
 from bench.common import fmt, fresh_dir, interleaved, median, print_table, print_targets, ratio, run_rfsdp, run_torchrun, target
-from trainer.config import TrainConfig
-from trainer.data import TokenLoader, load_split
+from trainer.data.shards import TokenLoader, load_split
 from trainer.events import read_events
-from trainer.resilience import RankMonitor
-from trainer.runtime import build_fsdp_model, detect_runtime, init_process_group
-from trainer.train import TrainState, lr_at, train_step
+from trainer.rank.config import TrainConfig
+from trainer.rank.resilience import RankMonitor
+from trainer.rank.runtime import build_fsdp_model, detect_runtime, init_process_group
+from trainer.rank.train import TrainState, lr_at, train_step
 
 METHODS = ("resilient", "plain")
 FULL = {"model": "small", "steps": 30, "reps": 3}

@@ -16,8 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.common import fmt, fresh_dir, interleaved, median, print_table, print_targets, ratio, run_rfsdp, run_torchrun_trainer, target
-from trainer.config import TrainConfig
 from trainer.events import read_events
+from trainer.rank.config import TrainConfig
 
 METHODS = ("inprocess", "ft_injob", "torchrun", "cold")
 FULL = {"faults": ("exception", "sigkill"), "reps": 2, "steps": 16, "ckpt_every": 5, "fault_step": 13}

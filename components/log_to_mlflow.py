@@ -24,7 +24,7 @@ def log_to_mlflow(
     """
     from pathlib import Path
 
-    from trainer.tracking import log_run
+    from trainer.results.tracking import log_run
 
     tags = {"run_name": run_name, "backend": backend, "kfp_pipeline_job": pipeline_job}
     run_id = log_run(Path(run.path), tracking_uri=tracking_uri or None, experiment=experiment, tags=tags, validation=validation)

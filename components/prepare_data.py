@@ -12,7 +12,7 @@ def prepare_data(data: Output[Dataset], source: str = "builtin:python-docs") -> 
         data: the prepared data set (train/val shards and ``manifest.json``).
         source: corpus file or directory, or ``builtin:python-docs`` (the Python docs shipped with Python).
     """
-    from trainer.dataprep import prepare_dataset
+    from trainer.data.prepare import prepare_dataset
 
     manifest = prepare_dataset(source, data.path)
     data.metadata.update(

@@ -39,7 +39,7 @@ def train(
     Args:
         data: the prepared data set.
         run: the run dir (events, checkpoints, logs); its metadata holds the run's summary figures
-            (``trainer.tracking.summarize``: restarts by layer, recovery times, checkpoint stalls, ...).
+            (``trainer.results.tracking.summarize``: restarts by layer, recovery times, checkpoint stalls, ...).
         steps: total optimizer steps.
         ckpt_every: checkpoint interval in steps.
         ckpt_mode: ``async`` or ``sync``.
@@ -68,8 +68,8 @@ def train(
 
     from trainer.checkpoint import latest_checkpoint
     from trainer.events import read_events
-    from trainer.launch import BACKENDS, check_run_dir, job_from_parameters, launch_local
-    from trainer.tracking import summarize
+    from trainer.launch.local import BACKENDS, check_run_dir, job_from_parameters, launch_local
+    from trainer.results.tracking import summarize
 
     def cancelled(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # KFP cancels a step with SIGTERM: stop the processes / delete the job
@@ -85,7 +85,7 @@ def train(
                 print(f"--- {log.name} (last lines)\n" + "\n".join(log.read_text(errors="replace").splitlines()[-30:]))
             raise RuntimeError(f"training failed: the local job exited with code {code} (logs above, all of them in {run.path}/logs)")
     else:
-        from trainer.k8s import build_pytorchjob, cluster_options, run_pytorchjob, shared_paths
+        from trainer.launch.k8s import build_pytorchjob, cluster_options, run_pytorchjob, shared_paths
 
         shared_data, shared_run = shared_paths(run_name)
         cfg, spec = job_from_parameters(params, data=shared_data, run_dir=shared_run)

@@ -19,7 +19,7 @@ def validate_checkpoint(run: Input[Artifact], data: Input[Dataset], metrics: Out
     """
     from pathlib import Path
 
-    from trainer.validate import validate_run
+    from trainer.results.validate import validate_run
 
     result = validate_run(Path(run.path), data=Path(data.path))
     for name, value in result.metrics().items():

@@ -27,7 +27,7 @@ from components.log_to_mlflow import log_to_mlflow
 from components.prepare_data import prepare_data
 from components.train import train
 from components.validate_checkpoint import validate_checkpoint
-from trainer.k8s import CREDENTIAL_SECRETS, WORKSPACE_MOUNT
+from trainer.launch import CREDENTIAL_SECRETS, WORKSPACE_MOUNT
 
 PIPELINE_NAME = "resilient-fsdp-training"
 
@@ -183,8 +183,8 @@ def check_parameters(overrides: Mapping[str, Any]) -> dict[str, Any]:
     Raises:
         ValueError: naming the bad parameter.
     """
-    from trainer.k8s import build_pytorchjob, cluster_options, shared_paths
-    from trainer.launch import BACKENDS, job_from_parameters
+    from trainer.launch.k8s import build_pytorchjob, cluster_options, shared_paths
+    from trainer.launch.local import BACKENDS, job_from_parameters
 
     defaults = parameter_defaults()
     unknown = sorted(set(overrides) - set(defaults))
@@ -203,8 +203,8 @@ def check_parameters(overrides: Mapping[str, Any]) -> dict[str, Any]:
 
 def pytorchjob_manifest(overrides: Mapping[str, Any]) -> dict[str, Any]:
     """The PyTorchJob the train step creates with ``backend=kubernetes`` and these parameters."""
-    from trainer.k8s import build_pytorchjob, cluster_options, shared_paths, to_manifest
-    from trainer.launch import job_from_parameters
+    from trainer.launch.k8s import build_pytorchjob, cluster_options, shared_paths, to_manifest
+    from trainer.launch.local import job_from_parameters
 
     params = check_parameters(overrides)
     data, run_dir = shared_paths(params["run_name"])
@@ -303,8 +303,8 @@ def print_local_result(result: Mapping[str, Any], overrides: Mapping[str, Any]) 
     from rich.table import Table
 
     from trainer.events import EVENTS_FILE
-    from trainer.summary import print_run_summary
-    from trainer.tracking import resolve_tracking_uri
+    from trainer.results.summary import print_run_summary
+    from trainer.results.tracking import resolve_tracking_uri
 
     run_dir = Path(result["run_dir"])
     print_run_summary(run_dir)

@@ -168,7 +168,7 @@ def test_async_writer_never_finalizes_an_earlier_incarnations_write(one_rank: No
     """A fault ends an incarnation with its save in flight and no cleanup run (in-process restart
     raises anywhere): the next incarnation's group abandons that write, waits for the worker, and
     its own saves publish."""
-    from trainer.resilience import AsyncCheckpointWriter
+    from trainer.rank.resilience import AsyncCheckpointWriter
 
     writer = AsyncCheckpointWriter(cuda=False)
     try:

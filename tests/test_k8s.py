@@ -23,8 +23,8 @@ from kubeflow.training import TrainingClient
 from kubernetes import client as k8s
 
 from pipelines.resilient_fsdp import check_parameters, pytorchjob_manifest
-from trainer.k8s import JobFailed, build_pytorchjob, cluster_options, run_pytorchjob, shared_paths
-from trainer.launch import job_from_parameters, operator_env, worker_command
+from trainer.launch.k8s import JobFailed, build_pytorchjob, cluster_options, run_pytorchjob, shared_paths
+from trainer.launch.local import job_from_parameters, operator_env, worker_command
 
 CRD = Path(__file__).resolve().parents[1] / "deploy" / "crds" / "kubeflow.org_pytorchjobs.v1.9.4.yaml"  # vendored, see its header
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -59,7 +59,7 @@ CASES = [{}, {"nnodes": 2, "nproc_per_node": 1}, {"nnodes": 4, "nproc_per_node":
 
 
 def webhook_violations(job: dict) -> list[str]:
-    """The training operator's admission rules (field notes), checked independently of trainer.k8s."""
+    """The training operator's admission rules (field notes), checked independently of trainer.launch.k8s."""
     out = []
     name = job["metadata"]["name"]
     if not DNS_1035.match(name) or len(name) > 63:

@@ -1,4 +1,4 @@
-"""Multi-node on one machine: every replica its own network-namespace host (trainer.netns).
+"""Multi-node on one machine: every replica its own network-namespace host (trainer.emulation.netns).
 
 Real namespaces, veth links and a bridge; real ft_launchers and workers per host; real node loss
 (every process of a host SIGKILLed at once) and real partitions (the host's switch port down).
@@ -21,9 +21,9 @@ import pytest
 from conftest import ROOT, losses, rfsdp, train
 
 from trainer.checkpoint import latest_checkpoint, published_checkpoints
+from trainer.emulation.netns import LocalCluster, netns_problem
 from trainer.events import read_events
 from trainer.faults import Fault, NodeFault, NodeFaultInjector, parse_fault_spec
-from trainer.netns import LocalCluster, netns_problem
 
 pytestmark = pytest.mark.slow  # real multi-process jobs
 
@@ -192,7 +192,7 @@ PUBLISH_PROBE = textwrap.dedent(
     import torch, torch.distributed as dist
     from trainer.checkpoint import Checkpointer
     from trainer.events import EventLog
-    from trainer.resilience import AsyncCheckpointWriter
+    from trainer.rank.resilience import AsyncCheckpointWriter
 
     def main():
         run_dir, signals, rank = Path(sys.argv[1]), Path(sys.argv[2]), int(os.environ["RANK"])

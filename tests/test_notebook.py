@@ -12,8 +12,8 @@ import pytest
 from mlflow import MlflowClient
 
 from tests.conftest import ROOT, MlflowServer, train
-from trainer import compare
-from trainer.tracking import log_run
+from trainer.results import compare
+from trainer.results.tracking import log_run
 
 pytestmark = pytest.mark.slow
 

@@ -26,7 +26,7 @@ from kfp.pipeline_spec import pipeline_spec_pb2
 from components.train import train
 from pipelines.resilient_fsdp import PIPELINE_NAME, compile_pipeline, parameter_defaults, submit
 from trainer.cli import main
-from trainer.k8s import CREDENTIAL_SECRETS, WORKSPACE_MOUNT
+from trainer.launch import CREDENTIAL_SECRETS, WORKSPACE_MOUNT
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ["prepare-data", "train", "validate-checkpoint", "log-to-mlflow"]

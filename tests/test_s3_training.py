@@ -18,11 +18,11 @@ from moto.server import ThreadedMotoServer
 
 from tests.conftest import losses, rfsdp, train
 from trainer.checkpoint import CHECKPOINTS, latest_checkpoint, verify_checkpoint
-from trainer.config import TrainConfig
-from trainer.data import builtin_corpus_text, load_manifest
+from trainer.data.shards import builtin_corpus_text, load_manifest
 from trainer.events import final_losses, read_events
-from trainer.mirror import CheckpointMirror
-from trainer.storage import Storage, fetch_run_dir, open_storage
+from trainer.rank.config import TrainConfig
+from trainer.storage.mirror import CheckpointMirror
+from trainer.storage.store import Storage, fetch_run_dir, open_storage
 
 pytestmark = pytest.mark.slow
 

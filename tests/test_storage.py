@@ -17,9 +17,10 @@ import requests
 
 from tests.conftest import S3_SECRET
 from trainer.cli import main as rfsdp_main
-from trainer.data import MANIFEST, builtin_corpus_text, prepare_tokens
-from trainer.launch import free_port
-from trainer.storage import S3Storage, StorageError, fetch_run_dir, local_data, open_storage, upload_tree
+from trainer.data.prepare import local_data
+from trainer.data.shards import MANIFEST, builtin_corpus_text, prepare_tokens
+from trainer.launch.local import free_port
+from trainer.storage.store import S3Storage, StorageError, fetch_run_dir, open_storage, upload_tree
 
 
 def cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:

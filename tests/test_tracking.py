@@ -1,4 +1,4 @@
-"""MLflow logging of real runs against a real `mlflow server` on loopback (trainer.tracking)."""
+"""MLflow logging of real runs against a real `mlflow server` on loopback (trainer.results.tracking)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from mlflow import MlflowClient
 
 from tests.conftest import MlflowServer, rfsdp
 from trainer.events import read_events
-from trainer.tracking import EVENTS_HASH_TAG, TrackingError, log_run, summarize
+from trainer.results.tracking import EVENTS_HASH_TAG, TrackingError, log_run, summarize
 
 pytestmark = pytest.mark.slow
 

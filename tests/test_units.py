@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer.config import Timeouts, TrainConfig
-from trainer.data import DataError, TokenLoader, decode, encode, load_manifest, load_split, prepare_tokens, verify_shards
+from trainer.data.shards import DataError, TokenLoader, decode, encode, load_manifest, load_split, prepare_tokens, verify_shards
 from trainer.events import describe_restart, final_losses, parse_event_lines
 from trainer.faults import parse_fault_spec
-from trainer.launch import STORE_PORT_SPAN, LaunchSpec, check_launch, free_port_base
-from trainer.train import lr_at
+from trainer.launch.local import STORE_PORT_SPAN, LaunchSpec, check_launch, free_port_base
+from trainer.rank.config import Timeouts, TrainConfig
+from trainer.rank.train import lr_at
 
 
 def cfg(**kw) -> TrainConfig:
@@ -60,7 +60,7 @@ def test_timeouts_keep_their_order() -> None:
 def test_config_round_trips_through_argv() -> None:
     import argparse
 
-    from trainer.config import add_train_arguments
+    from trainer.rank.config import add_train_arguments
 
     original = cfg(fault="exception@3:1", inprocess_restart=False, ckpt_mode="sync")
     parser = argparse.ArgumentParser()
@@ -165,7 +165,7 @@ def test_recovery_layer() -> None:
 
 
 def test_outside_internals_the_async_writer_relies_on() -> None:
-    """Private NVRx 0.4.1 and torch 2.13 APIs used by ``trainer.resilience`` (listed there): an
+    """Private NVRx 0.4.1 and torch 2.13 APIs used by ``trainer.rank.resilience`` (listed there): an
     upgrade that moves them fails here, not in a training run."""
     import importlib.metadata
     import inspect
@@ -187,7 +187,7 @@ def test_outside_internals_the_async_writer_relies_on() -> None:
 
 def test_validation_replays_never_touch_the_runs_mirror_or_faults(tmp_path: Path, data_dir: Path) -> None:
     from trainer.events import EventLog
-    from trainer.validate import _run_config
+    from trainer.results.validate import _run_config
 
     recorded = cfg(fault="exception@5:1", checkpoint_uri="s3://production/run", stop_at_step=30).to_dict()
     EventLog(tmp_path, 0).emit("run_start", config=recorded, resumed_from_step=0, world_size=2)

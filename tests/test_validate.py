@@ -16,7 +16,7 @@ from tests.conftest import rfsdp, train
 from trainer import cli
 from trainer.checkpoint import CHECKPOINTS, MANIFEST, read_full_state
 from trainer.fsutil import file_sha256
-from trainer.validate import CHECKS, validate_run
+from trainer.results.validate import CHECKS, validate_run
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ rename the directory to ``step_NNNNNN`` and move the ``latest`` pointer. Resume 
 checkpoints newest first and takes the first whose manifest verifies.
 
 How the shards are written is a :class:`CheckpointWriter`: ``SyncDcpWriter`` here, the NVRx
-background writer in ``trainer.resilience``.
+background writer in ``trainer.rank.resilience``.
 """
 
 from __future__ import annotations

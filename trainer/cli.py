@@ -12,12 +12,12 @@ import tempfile
 import threading
 from pathlib import Path
 
-from trainer.config import TrainConfig, add_train_arguments
-from trainer.dataprep import DEFAULT_SHARD_TOKENS
+from trainer.data.prepare import DEFAULT_SHARD_TOKENS
+from trainer.rank.config import TrainConfig, add_train_arguments
 
 
 def _prepare_data(args: argparse.Namespace) -> int:
-    from trainer.dataprep import prepare_dataset
+    from trainer.data.prepare import prepare_dataset
 
     manifest = prepare_dataset(args.source, args.out, shard_tokens=args.shard_tokens)
     splits = ", ".join(f"{k}: {v['tokens']:,} tokens in {len(v['shards'])} shard(s)" for k, v in manifest["splits"].items())
@@ -26,13 +26,13 @@ def _prepare_data(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from trainer.launch import LaunchSpec, launch_local
+    from trainer.launch.local import LaunchSpec, launch_local
 
     spec = LaunchSpec(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts)
     args.world_size = spec.world_size
     cfg = TrainConfig.from_namespace(args)
     if args.netns:  # each replica on its own network-namespace host, torn down afterwards
-        from trainer.netns import LocalCluster
+        from trainer.emulation.netns import LocalCluster
 
         with LocalCluster(spec.nnodes) as cluster:
             code = launch_local(cfg, spec, progress=not args.quiet, placement=cluster)
@@ -41,7 +41,7 @@ def _train(args: argparse.Namespace) -> int:
     if code:
         print(f"rfsdp train: the job failed (exit code {code}); logs in {Path(cfg.run_dir) / 'logs'}", file=sys.stderr)
         return 1
-    from trainer.summary import print_run_summary
+    from trainer.results.summary import print_run_summary
 
     print_run_summary(Path(cfg.run_dir))
     return 0
@@ -51,7 +51,7 @@ def _local_run_dir(uri: str) -> Path:
     """``--run-dir`` as a local directory: an ``s3://`` run dir (a ``--checkpoint-uri``) is fetched,
     checksums verified, into a temporary directory removed when the command exits.
     """
-    from trainer.storage import fetch_run_dir, is_remote
+    from trainer.storage.store import fetch_run_dir, is_remote
 
     if not is_remote(uri):
         return Path(uri)
@@ -64,7 +64,7 @@ def _validate(args: argparse.Namespace) -> int:
     import json
 
     from trainer.fsutil import atomic_write_text
-    from trainer.validate import validate_run
+    from trainer.results.validate import validate_run
 
     if args.markdown and not Path(args.markdown).parent.is_dir():
         raise ValueError(f"--markdown: directory {Path(args.markdown).parent} does not exist")
@@ -86,7 +86,7 @@ def _validate(args: argparse.Namespace) -> int:
 def _log_mlflow(args: argparse.Namespace) -> int:
     import json
 
-    from trainer.tracking import TrackingError, log_run
+    from trainer.results.tracking import TrackingError, log_run
 
     tags = {}
     for item in args.tag:

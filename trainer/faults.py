@@ -10,7 +10,7 @@ created atomically (``O_EXCL``) just before the fault fires, with its ``fault`` 
 Rank kinds are fired by the rank itself (:class:`FaultInjector`). Node kinds
 (``node-loss@STEP:NODE``, ``partition@STEP:NODE:SECONDS``) hit a whole replica's host from
 outside: :class:`NodeFaultInjector` runs in the launcher, watches the run's steps and acts
-through the cluster harness (:class:`NodeControl`, see ``trainer.netns``).
+through the cluster harness (:class:`NodeControl`, see ``trainer.emulation.netns``).
 """
 
 from __future__ import annotations

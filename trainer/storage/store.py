@@ -36,8 +36,6 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from trainer.checkpoint import CHECKPOINTS, LATEST, MANIFEST, step_dir_name
-from trainer.data import MANIFEST as DATA_MANIFEST
-from trainer.data import verify_shards
 from trainer.events import EVENTS_FILE
 from trainer.fsutil import file_sha256, fsync_dir
 
@@ -419,46 +417,6 @@ def read_corpus(uri: str) -> str:
     if not keys:  # not a prefix: the URI names one object
         return store.read_bytes("").decode("utf-8", errors="replace")
     return "\n\n".join(store.read_bytes(k).decode("utf-8", errors="replace") for k in keys)
-
-
-def local_data(uri: str, run_dir: Path) -> Path:
-    """A local directory holding the prepared data set at ``uri``.
-
-    A local path (or ``file://`` URI) is returned as is. An ``s3://`` data set is downloaded once
-    into ``RUN_DIR/data_cache/<manifest sha256>/``: every shard verified against the manifest's
-    checksum, the directory renamed into place only when complete. Later calls (every rank, every
-    restart) reuse it.
-    """
-    if not is_remote(uri):
-        return Path(str(uri).removeprefix("file://"))
-    store = open_storage(uri)
-    manifest_bytes = store.read_bytes(DATA_MANIFEST)
-    try:
-        manifest = json.loads(manifest_bytes)
-        shards = [s for split in manifest["splits"].values() for s in split["shards"]]
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-        raise StorageError(f"{store.url(DATA_MANIFEST)} is not a data manifest ({e})") from None
-    dest = Path(run_dir) / "data_cache" / hashlib.sha256(manifest_bytes).hexdigest()[:16]
-    if (dest / DATA_MANIFEST).is_file():
-        return dest
-    tmp = Path(tempfile.mkdtemp(dir=_mkdir(dest.parent), prefix=f".{dest.name}."))
-    try:
-        for shard in shards:
-            store.download(shard["file"], tmp / check_key(uri, shard["file"]), sha256=shard["sha256"])
-        (tmp / DATA_MANIFEST).write_bytes(manifest_bytes)
-        verify_shards(tmp, manifest)
-        os.replace(tmp, dest)
-    except OSError as e:
-        if not (dest / DATA_MANIFEST).is_file():  # else another rank finished first: use its copy
-            raise StorageError(f"{uri}: cannot cache the data set in {dest.parent} ({e})") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
-
-
-def _mkdir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def download_checkpoint(store: Storage, name: str, dest: Path, *, skip_corrupt: bool = False) -> Path:

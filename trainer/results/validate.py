@@ -52,13 +52,14 @@ from trainer.checkpoint import (
     step_dir_name,
     verify_checkpoint,
 )
-from trainer.config import TrainConfig
-from trainer.data import DataError, TokenLoader, load_manifest, load_split, verify_shards
+from trainer.data.prepare import local_data
+from trainer.data.shards import DataError, TokenLoader, load_manifest, load_split, verify_shards
 from trainer.events import final_losses, read_events
-from trainer.launch import RUN_CONFIG, LaunchSpec, launch_local
-from trainer.model import Transformer
-from trainer.runtime import seed_everything
-from trainer.storage import StorageError, local_data
+from trainer.launch.local import RUN_CONFIG, LaunchSpec, launch_local
+from trainer.rank.config import TrainConfig
+from trainer.rank.model import Transformer
+from trainer.rank.runtime import seed_everything
+from trainer.storage.store import StorageError
 
 CHECKS = ("complete", "intact", "loadable", "finite", "quality", "replays")
 # What each check needs to have passed before it can say anything. The replay is a real
@@ -606,7 +607,7 @@ def _reshard_worker(rank: int, world_size: int, rdzv_file: str, path: str, cfg: 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     from trainer.checkpoint import load_tensors
-    from trainer.runtime import Runtime, build_fsdp_model
+    from trainer.rank.runtime import Runtime, build_fsdp_model
 
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=RESHARD_TIMEOUT_S / 2)

@@ -5,7 +5,7 @@ On a cluster the training operator starts that command in each PyTorchJob pod an
 ft_launcher per replica, with exactly the environment the operator would inject, so a local run
 exercises the cluster's launch contract (multi-node rendezvous included). A :class:`Placement`
 says where each replica runs: all on this host (:class:`SameHost`), or each on its own network
-namespace host (``trainer.netns.LocalCluster``), where replicas are supervised like pods and
+namespace host (``trainer.emulation.netns.LocalCluster``), where replicas are supervised like pods and
 node faults are fired.
 """
 
@@ -25,11 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from trainer.config import TRAJECTORY_FIELDS, Timeouts, TrainConfig
-from trainer.data import DataError, load_manifest, verify_shards
+from trainer.data.prepare import local_data
+from trainer.data.shards import DataError, load_manifest, verify_shards
 from trainer.events import EVENTS_FILE, EventLog, parse_event_lines
 from trainer.faults import NodeControl, NodeFault, NodeFaultInjector, parse_fault_spec
-from trainer.storage import StorageError, local_data, open_storage
+from trainer.rank.config import TRAJECTORY_FIELDS, Timeouts, TrainConfig
+from trainer.storage.store import StorageError, open_storage
 
 RUN_CONFIG = "config.json"
 DEFAULT_RDZV_PORT = 29400
@@ -68,7 +69,7 @@ def worker_command(cfg: TrainConfig, ft_launcher: str = "ft_launcher") -> list[s
         "--ft-rank-heartbeat-timeout", f"{t.heartbeat:g}",
         "--ft-enable-nic-monitor", "false",
         "--monitor-interval", "0.5",
-        "-m", "trainer.train", *cfg.to_argv(),
+        "-m", "trainer.rank.train", *cfg.to_argv(),
     ]  # fmt: skip
 
 
@@ -150,7 +151,7 @@ def free_port() -> int:
 
 
 # The in-process restart stores listen on PORT_BASE + 100 * (MASTER_PORT % 16) + 1 + attempt
-# (trainer.resilience): a block of 16 x 100 ports.
+# (trainer.rank.resilience): a block of 16 x 100 ports.
 STORE_PORT_SPAN = 1600
 
 

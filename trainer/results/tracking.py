@@ -1,7 +1,7 @@
 """MLflow tracking: one MLflow run per run directory, built from its ``events.jsonl``.
 
 This is the only module that talks to MLflow. :func:`summarize` (events -> summary dict) and the
-table builders are pure functions; :mod:`trainer.compare` reuses them on events it downloads back
+table builders are pure functions; :mod:`trainer.results.compare` reuses them on events it downloads back
 from MLflow, so the logged summary metrics and the comparison notebook can never disagree.
 
 Where runs go (first match wins): the ``tracking_uri`` argument, ``MLFLOW_TRACKING_URI``, else a

@@ -1,9 +1,9 @@
 """The Kubernetes backend of the train step: the one module that knows Kubernetes.
 
-It wraps the launch contract's worker command (``trainer.launch.worker_command``) in a
+It wraps the launch contract's worker command (``trainer.launch.local.worker_command``) in a
 training-operator ``PyTorchJob``: Worker replicas only, an ``elasticPolicy`` with the c10d
 rendezvous (the operator then injects the ``PET_*`` environment that ``ft_launcher`` reads, the
-same one ``trainer.launch.operator_env`` gives local runs), ``nprocPerNode`` as a string, the
+same one ``trainer.launch.local.operator_env`` gives local runs), ``nprocPerNode`` as a string, the
 container named ``pytorch``, restartPolicy OnFailure, a run policy, the shared volume that holds
 the data and the run dir, GPUs and resources, and a memory-backed ``/dev/shm``.
 
@@ -24,21 +24,14 @@ from kubeflow.training import TrainingClient, models
 from kubeflow.training.constants import constants as kf
 from kubernetes import client as k8s
 
-from trainer.config import TrainConfig
 from trainer.faults import NodeFault
-from trainer.launch import DEFAULT_RDZV_PORT, LaunchSpec, worker_command
+from trainer.launch import CREDENTIAL_SECRETS, WORKSPACE_MOUNT
+from trainer.launch.local import DEFAULT_RDZV_PORT, LaunchSpec, worker_command
+from trainer.rank.config import TrainConfig
 
 API_VERSION = "kubeflow.org/v1"
 KIND = "PyTorchJob"
 CONTAINER = kf.PYTORCHJOB_CONTAINER  # the webhook requires this container name
-WORKSPACE_MOUNT = "/mnt/rfsdp"
-"""Where the shared volume (data + run dirs) is mounted in the train step's pod and in every worker."""
-CREDENTIAL_SECRETS: dict[str, tuple[str, ...]] = {
-    "rfsdp-s3": ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"),
-    "rfsdp-mlflow": ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"),
-}
-"""Secrets (name -> keys, each key becomes the env variable of that name) given to the pipeline's
-pods and to every worker, all optional: credentials never travel as pipeline parameters."""
 RDZV_PORT_NAME = "pytorchjob-port"  # the operator exposes this named port on each replica's service
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")

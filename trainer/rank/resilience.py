@@ -28,7 +28,7 @@ from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
 from trainer.checkpoint import CheckpointWriteError, SaveHooks, write_rank_checksums
-from trainer.config import Timeouts
+from trainer.rank.config import Timeouts
 
 FT_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"
 PORT_BASE_ENV = "RFSDP_PORT_BASE"

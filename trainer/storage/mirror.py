@@ -1,6 +1,6 @@
 """Checkpoint mirroring to object storage, and resuming from it on a machine with an empty run dir.
 
-Remote layout under ``--checkpoint-uri`` (a remote run dir, readable by ``trainer.storage.fetch_run_dir``)::
+Remote layout under ``--checkpoint-uri`` (a remote run dir, readable by ``trainer.storage.store.fetch_run_dir``)::
 
     <uri>/checkpoints/step_000120/...   the files a checkpoint's manifest lists, manifest.json last
     <uri>/checkpoints/latest            names the newest checkpoint whose every object is verified
@@ -24,7 +24,7 @@ from pathlib import Path
 from trainer.checkpoint import CHECKPOINTS, LATEST, MANIFEST, CheckpointError, verify_checkpoint
 from trainer.events import EVENTS_FILE, EventLog
 from trainer.fsutil import atomic_write_text
-from trainer.storage import RUN_FILES, Storage, StorageError, download_checkpoint, open_storage, remote_checkpoints, remote_latest
+from trainer.storage.store import RUN_FILES, Storage, StorageError, download_checkpoint, open_storage, remote_checkpoints, remote_latest
 
 FINAL_WAIT_S = 120.0
 """How long the end of a run waits for its last checkpoint to be mirrored."""

@@ -2,9 +2,9 @@
 
 Example::
 
-    ft_launcher --nproc-per-node 2 -m trainer.train --data DATA --run-dir RUN [--fault exception@20:1]
+    ft_launcher --nproc-per-node 2 -m trainer.rank.train --data DATA --run-dir RUN [--fault exception@20:1]
 
-``rfsdp train`` builds that command for you (see ``trainer.launch``).
+``rfsdp train`` builds that command for you (see ``trainer.launch.local``).
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from trainer.checkpoint import Checkpointer, CheckpointWriter, SyncDcpWriter, load_tensors, published_checkpoints, rank_state_file
-from trainer.config import Timeouts, TrainConfig, add_train_arguments
-from trainer.data import TokenLoader, load_split
+from trainer.data.prepare import local_data
+from trainer.data.shards import TokenLoader, load_split
 from trainer.events import EventLog, describe_restart, read_events, recovery_layer
 from trainer.faults import FaultInjector
-from trainer.mirror import CheckpointMirror
-from trainer.resilience import AsyncCheckpointWriter, Attempt, RankMonitor, make_store, run_restartable
-from trainer.runtime import build_fsdp_model, detect_runtime, init_process_group, rng_state, set_rng_state
-from trainer.storage import local_data
+from trainer.rank.config import Timeouts, TrainConfig, add_train_arguments
+from trainer.rank.resilience import AsyncCheckpointWriter, Attempt, RankMonitor, make_store, run_restartable
+from trainer.rank.runtime import build_fsdp_model, detect_runtime, init_process_group, rng_state, set_rng_state
+from trainer.storage.mirror import CheckpointMirror
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:

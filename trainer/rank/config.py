@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 
 from trainer.faults import Fault, parse_fault_spec
-from trainer.model import MODEL_SIZES, ModelSize
+from trainer.rank.model import MODEL_SIZES, ModelSize
 
 CKPT_MODES = ("async", "sync")
 
@@ -29,7 +29,7 @@ class TrainConfig:
     run_dir: str
     """Run directory: events, checkpoints, fault markers."""
     model: str = "tiny"
-    """Named model size (see ``trainer.model.MODEL_SIZES``)."""
+    """Named model size (see ``trainer.rank.model.MODEL_SIZES``)."""
     steps: int = 60
     """Total optimizer steps of the run (sets the LR schedule)."""
     stop_at_step: int = 0

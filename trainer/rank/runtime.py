@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from trainer.model import ModelSize, Transformer
+from trainer.rank.model import ModelSize, Transformer
 
 
 @dataclass(frozen=True, slots=True)

@@ -190,7 +190,7 @@ class LocalCluster:
         present = set(_ip("netns", "list", check=False).stdout.split())
         return [n for n in [h.namespace for h in self.hosts] + [self.switch] if n in present]
 
-    # ------------------------------------------------------------ Placement (trainer.launch)
+    # ------------------------------------------------------------ Placement (trainer.launch.local)
     def rdzv_endpoint(self) -> str:
         """The rendezvous endpoint: on host 0, as on a PyTorchJob's first Worker pod."""
         return f"{self.hosts[0].address}:{RDZV_PORT}"

@@ -1,7 +1,7 @@
 """Compare the runs of an MLflow experiment: the logic behind ``notebooks/compare_experiments.ipynb``.
 
 Each run's ``events.jsonl`` is read back from MLflow's artifacts and summarized with
-:func:`trainer.tracking.summarize`, the same function that computed the logged summary metrics.
+:func:`trainer.results.tracking.summarize`, the same function that computed the logged summary metrics.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from trainer.tracking import DEFAULT_EXPERIMENT, checkpoint_table, logged_runs, summarize
+from trainer.results.tracking import DEFAULT_EXPERIMENT, checkpoint_table, logged_runs, summarize
 
 
 @dataclass
@@ -35,7 +35,7 @@ class RunRecord:
 
 
 def load_runs(experiment: str = DEFAULT_EXPERIMENT, tracking_uri: str | None = None) -> list[RunRecord]:
-    """Every active run that ``trainer.tracking.log_run`` logged into ``experiment``, oldest first.
+    """Every active run that ``trainer.results.tracking.log_run`` logged into ``experiment``, oldest first.
 
     Args:
         experiment: MLflow experiment name.
@@ -53,7 +53,7 @@ def load_runs(experiment: str = DEFAULT_EXPERIMENT, tracking_uri: str | None = N
 
 
 def comparison_table(runs: list[RunRecord]) -> pd.DataFrame:
-    """Side-by-side figures: one row per run (definitions in ``trainer.tracking.summarize``)."""
+    """Side-by-side figures: one row per run (definitions in ``trainer.results.tracking.summarize``)."""
     rows = []
     for r in runs:
         s = r.summary
@@ -119,5 +119,5 @@ def checkpoint_blocking(runs: list[RunRecord]) -> pd.DataFrame:
 
 
 def goodput(runs: list[RunRecord]) -> pd.Series:
-    """Goodput per run (``trainer.tracking.summarize``'s definition)."""
+    """Goodput per run (``trainer.results.tracking.summarize``'s definition)."""
     return pd.Series({r.label: r.summary["goodput"] for r in runs}, name="goodput")
