@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.common import fmt, fresh_dir, interleaved, median, print_table, print_targets, ratio, run_rfsdp, run_torchrun_trainer, target
-from trainer.events import read_events
+from trainer.events import Event, Restart, RunEnd, final_steps, read_events, select, summarize
 from trainer.rank.config import TrainConfig
 
 METHODS = ("resilient", "baseline")
@@ -28,21 +28,21 @@ FULL = {
 QUICK = {"model": "tiny", "steps": 16, "ckpt_every": 4, "fault": "exception@6:1,sigkill@11:1", "reps": 1}
 
 
-def measure_goodput(events: list[dict], wall_s: float) -> dict:
-    """Goodput of a finished run from its events and wall time."""
-    final = {e["step"]: e for e in events if e["event"] == "step"}  # a re-executed step's last line wins
-    useful = sum(e["step_time_s"] for e in final.values())
-    restarts = [e for e in events if e["event"] == "restart"]
+def measure_goodput(events: list[Event], wall_s: float) -> dict:
+    """Goodput of a finished run: its useful time (``trainer.events.summarize``) over the wall
+    time of the whole command (start-up included, the same clock for both methods)."""
+    s = summarize(events)
+    restarts = select(events, Restart)
     return {
-        "goodput": useful / wall_s,
-        "useful_s": useful,
+        "goodput": s["useful_time_s"] / wall_s,
+        "useful_s": s["useful_time_s"],
         "wall_s": wall_s,
-        "steps": len(final),
-        "executed_steps": sum(e["event"] == "step" for e in events),
-        "faults": sum(e["event"] == "fault" for e in events),
-        "restarts": {layer: sum(r["layer"] == layer for r in restarts) for layer in sorted({r["layer"] for r in restarts})},
-        "recovery_s": sum(r["recovery_s"] for r in restarts),
-        "checkpoint_stall_s": sum(e["blocking_s"] for e in events if e["event"] == "checkpoint"),
+        "steps": len(final_steps(events)),
+        "executed_steps": s["steps_executed"],
+        "faults": s["faults"],
+        "restarts": {layer: sum(r.layer == layer for r in restarts) for layer in sorted({r.layer for r in restarts})},
+        "recovery_s": sum(r.recovery_s for r in restarts),
+        "checkpoint_stall_s": s["ckpt_blocking_s_total"],
     }
 
 
@@ -64,7 +64,7 @@ def run_one(method: str, run_dir: Path, data: Path, params: dict) -> dict:
         cfg = TrainConfig(**common, fault=params["fault"], ckpt_mode="sync", inprocess_restart=False)
         code, wall = run_torchrun_trainer(cfg, max_restarts=len(cfg.faults) + 1)
     events = read_events(run_dir)
-    if code or not any(e["event"] == "run_end" and e.get("status") == "completed" for e in events):
+    if code or not any(e.status == "completed" for e in select(events, RunEnd)):
         raise RuntimeError(f"goodput benchmark: the {method} run did not complete (exit {code}); logs in {run_dir / 'logs'}")
     return measure_goodput(events, wall)
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from bench.common import fmt, fresh_dir, interleaved, median, print_table, print_targets, ratio, run_rfsdp, run_torchrun, target
 from trainer.data.shards import TokenLoader, load_split
-from trainer.events import read_events
+from trainer.events import Step, read_events, select
 from trainer.rank.config import TrainConfig
 from trainer.rank.resilience import RankMonitor
 from trainer.rank.runtime import build_fsdp_model, detect_runtime, init_process_group
@@ -66,7 +66,7 @@ def run(quick: bool, work: Path, data: Path) -> dict:
                 data=str(data), run_dir=str(fresh_dir(work / f"resilient_{rep}")), model=params["model"], steps=params["steps"]
             )
             code, _ = run_rfsdp(cfg)
-            times = [e["time"] for e in read_events(Path(cfg.run_dir)) if e["event"] == "step"]
+            times = [e.time for e in select(read_events(Path(cfg.run_dir)), Step)]
         else:
             out = work / f"plain_{rep}.json"
             argv = ["--data", str(data), "--model", params["model"], "--steps", str(params["steps"]), "--out", str(out)]

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.common import fmt, fresh_dir, interleaved, median, print_table, print_targets, ratio, run_rfsdp, run_torchrun_trainer, target
-from trainer.events import read_events
+from trainer.events import Event, FaultFired, Restart, Step, read_events, select
 from trainer.rank.config import TrainConfig
 
 METHODS = ("inprocess", "ft_injob", "torchrun", "cold")
@@ -30,26 +30,28 @@ def applies(method: str, fault: str) -> bool:
     return not (method == "inprocess" and fault == "sigkill")
 
 
-def measure_recovery(events: list[dict]) -> dict:
+def measure_recovery(events: list[Event]) -> dict:
     """Recovery of the (single) fault in a run's events: fault to the first step completed after
-    it, and the steps that were completed before it and had to be redone.
+    it, and the steps that were completed before it and had to be redone. Measured from the
+    ``fault`` and ``step`` events alone, so a cold restart (which writes no ``restart`` event)
+    is measured the same way as the recovery layers.
     """
-    fault = next(e for e in events if e["event"] == "fault")
-    steps = [e for e in events if e["event"] == "step"]
-    before = [e["step"] for e in steps if e["time"] < fault["time"]]
-    after = [e for e in steps if e["time"] > fault["time"]]
+    fault = select(events, FaultFired)[0]
+    steps = select(events, Step)
+    before = [e.step for e in steps if e.time < fault.time]
+    after = [e for e in steps if e.time > fault.time]
     if not after:
         raise RuntimeError("no step completed after the fault")
     first = after[0]
-    restarts = [e for e in events if e["event"] == "restart"]
-    layer = next((e["layer"] for e in restarts if e["time"] > fault["time"]), "cold")
+    restarts = select(events, Restart)
+    layer = next((e.layer for e in restarts if e.time > fault.time), "cold")
     return {
-        "recovery_s": first["time"] - fault["time"],
-        "lost_steps": max(before, default=0) - (first["step"] - 1),
-        "resumed_from_step": first["step"] - 1,
+        "recovery_s": first.time - fault.time,
+        "lost_steps": max(before, default=0) - (first.step - 1),
+        "resumed_from_step": first.step - 1,
         "layer": layer,
         # Restarts before the injected fault: a step so slow on a loaded machine that a timeout fired.
-        "spurious_restarts": sum(e["time"] < fault["time"] for e in restarts),
+        "spurious_restarts": sum(e.time < fault.time for e in restarts),
     }
 
 
@@ -66,7 +68,7 @@ def run_one(method: str, fault: str, run_dir: Path, data: Path, params: dict) ->
         code, _ = run_torchrun_trainer(cfg, max_restarts=3)
     elif method == "cold":
         code, _ = run_rfsdp(cfg, max_restarts=0)
-        if code == 0 or not any(e["event"] == "fault" for e in read_events(run_dir)):
+        if code == 0 or not select(read_events(run_dir), FaultFired):
             raise RuntimeError(f"cold: the first job did not die of the injected {fault} (exit {code}); logs in {run_dir / 'logs'}")
         code, _ = run_rfsdp(cfg, max_restarts=0)  # the user starts it again: it resumes
     else:

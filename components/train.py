@@ -39,7 +39,7 @@ def train(
     Args:
         data: the prepared data set.
         run: the run dir (events, checkpoints, logs); its metadata holds the run's summary figures
-            (``trainer.results.tracking.summarize``: restarts by layer, recovery times, checkpoint stalls, ...).
+            (``trainer.events.summarize``: restarts by layer, recovery times, checkpoint stalls, ...).
         steps: total optimizer steps.
         ckpt_every: checkpoint interval in steps.
         ckpt_mode: ``async`` or ``sync``.
@@ -67,9 +67,8 @@ def train(
     from pathlib import Path
 
     from trainer.checkpoint import latest_checkpoint
-    from trainer.events import read_events
+    from trainer.events import read_events, summarize
     from trainer.launch.local import BACKENDS, check_run_dir, job_from_parameters, launch_local
-    from trainer.results.tracking import summarize
 
     def cancelled(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # KFP cancels a step with SIGTERM: stop the processes / delete the job

@@ -25,7 +25,7 @@ from trainer.checkpoint import (
     verify_checkpoint,
     write_rank_checksums,
 )
-from trainer.events import EventLog, read_events
+from trainer.events import Checkpoint, CheckpointFailed, EventLog, RunWarning, read_events, select
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +92,8 @@ def run_steps(ckpt: Checkpointer, last: int) -> None:
         ckpt.step(step, lambda step=step: state(step), last=step == last)
 
 
-def saved(run_dir: Path, event: str = "checkpoint") -> list[int]:
-    return [e["step"] for e in read_events(run_dir) if e["event"] == event]
+def saved(run_dir: Path, kind: type[Checkpoint | CheckpointFailed] = Checkpoint) -> list[int]:
+    return [e.step for e in select(read_events(run_dir), kind)]
 
 
 def test_saves_every_interval_and_the_last_step_keeping_the_newest(one_rank: None, tmp_path: Path) -> None:
@@ -110,7 +110,7 @@ def test_a_failed_write_is_reported_and_the_next_interval_saves_again(one_rank: 
     ckpt = checkpointer(tmp_path, writer)
     writer.fail = True
     run_steps(ckpt, last=7)
-    assert saved(tmp_path, "checkpoint_failed") == [3]
+    assert saved(tmp_path, CheckpointFailed) == [3]
     assert saved(tmp_path) == [6, 7]
     assert not list((tmp_path / CHECKPOINTS).glob("*.tmp*")), "the failed save's files are removed"
 
@@ -136,8 +136,8 @@ def test_resume_repairs_a_stale_latest(one_rank: None, tmp_path: Path) -> None:
     assert checkpointer(tmp_path, FakeWriter()).load_latest(loaded.append) == 6
     assert loaded == [tmp_path / CHECKPOINTS / step_dir_name(6)]
     assert latest_checkpoint(tmp_path).name == step_dir_name(6)
-    (warning,) = [e for e in read_events(tmp_path) if e["event"] == "warning"]
-    assert warning["kind"] == "latest_repaired" and warning["was"] == step_dir_name(3)
+    (warning,) = select(read_events(tmp_path), RunWarning)
+    assert warning.kind == "latest_repaired" and warning.was == step_dir_name(3)
 
 
 def test_publication_is_atomic_for_in_process_restart(one_rank: None, tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from conftest import ROOT, losses, rfsdp, train
 
 from trainer.checkpoint import latest_checkpoint, published_checkpoints
 from trainer.emulation.netns import LocalCluster, netns_problem
-from trainer.events import read_events
+from trainer.events import Checkpoint, FaultFired, Restart, Step, read_events
 from trainer.faults import Fault, NodeFault, NodeFaultInjector, parse_fault_spec
 
 pytestmark = pytest.mark.slow  # real multi-process jobs
@@ -47,10 +47,10 @@ def recoveries(run: Path) -> list[dict]:
     """For each fault: its kind, node, and the seconds from it to the first step completed after it."""
     events = read_events(run)
     out = []
-    for fault in (e for e in events if e["event"] == "fault"):
-        first = next(e for e in events if e["event"] == "step" and e["time"] > fault["time"])
-        recovery = round(first["time"] - fault["time"], 2)
-        out.append({"kind": fault["kind"], "node": fault["node"], "step": fault["step"], "recovery_s": recovery})
+    for fault in (e for e in events if isinstance(e, FaultFired)):
+        first = next(e for e in events if isinstance(e, Step) and e.time > fault.time)
+        recovery = round(first.time - fault.time, 2)
+        out.append({"kind": fault.kind, "node": fault.node, "step": fault.step, "recovery_s": recovery})
     return out
 
 
@@ -109,7 +109,7 @@ def test_node_faults_fire_once_at_their_step(tmp_path: Path) -> None:
     time.sleep(0.25)
     injector.tick()
     assert control.calls[-1] == ("link", 0, True)
-    fired = [(e["kind"], e["step"], e["node"], e["rank"]) for e in read_events(tmp_path) if e["event"] == "fault"]
+    fired = [(e.kind, e.step, e.node, e.rank) for e in read_events(tmp_path) if isinstance(e, FaultFired)]
     assert fired == [("node-loss", 3, 1, -1), ("partition", 5, 0, -1)]
     again = _Recorder()  # a relaunch of the same run: the markers say both already fired
     NodeFaultInjector(faults, tmp_path, again).observe(9)
@@ -268,7 +268,7 @@ def test_cut_off_rank_never_publishes(tmp_path: Path) -> None:
     assert latest_checkpoint(run_dir).name == "step_000001"
     pending = next((run_dir / "checkpoints").glob("step_000002.tmp*"))
     assert {p.name for p in pending.glob("checksums_rank*.json")} == {"checksums_rank0.json", "checksums_rank1.json"}
-    assert [e["step"] for e in read_events(run_dir) if e["event"] == "checkpoint"] == [1]
+    assert [e.step for e in read_events(run_dir) if isinstance(e, Checkpoint)] == [1]
 
 
 # ---------------------------------------------------------------- training through node loss and partitions
@@ -307,18 +307,18 @@ def test_partition_2x1_detected_recovered_nothing_published_while_cut(data_dir: 
     netns_train(data_dir, run, 1, "--steps", STEPS, "--fault", "partition@31:0:15")
     assert losses(run) == losses(baseline_2)
     events = read_events(run)
-    fault = next(e for e in events if e["event"] == "fault")
-    healed = fault["time"] + fault["seconds"]
-    assert not [e for e in events if e["event"] == "checkpoint" and fault["time"] <= e["time"] <= healed]
-    restart = next(e for e in events if e["event"] == "restart")
-    assert restart["layer"] == "in_job" and restart["time"] > healed
-    first_after = next(e for e in events if e["event"] == "step" and e["time"] > fault["time"])
-    assert first_after["time"] > healed  # no step completes while a host is cut off
+    fault = next(e for e in events if isinstance(e, FaultFired))
+    healed = fault.time + fault.seconds
+    assert not [e for e in events if isinstance(e, Checkpoint) and fault.time <= e.time <= healed]
+    restart = next(e for e in events if isinstance(e, Restart))
+    assert restart.layer == "in_job" and restart.time > healed
+    first_after = next(e for e in events if isinstance(e, Step) and e.time > fault.time)
+    assert first_after.time > healed  # no step completes while a host is cut off
     for _, path in published_checkpoints(run / "checkpoints"):  # every published one verifies (rfsdp validate's check)
         from trainer.checkpoint import verify_checkpoint
 
         verify_checkpoint(path)
-    recovery = first_after["time"] - fault["time"]
+    recovery = first_after.time - fault.time
     print(f"\npartition 15 s: first step {recovery:.1f} s after the cut, resumed from step {restart['resumed_from_step']}")
 
 

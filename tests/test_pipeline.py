@@ -26,6 +26,7 @@ from kfp.pipeline_spec import pipeline_spec_pb2
 from components.train import train
 from pipelines.resilient_fsdp import PIPELINE_NAME, compile_pipeline, parameter_defaults, submit
 from trainer.cli import main
+from trainer.events import Restart, read_events, select
 from trainer.launch import CREDENTIAL_SECRETS, WORKSPACE_MOUNT
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -300,8 +301,7 @@ def test_run_local_whole_pipeline_with_a_fault(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     run_id = re.search(r"MLflow run id:\s*([0-9a-f]{32})", proc.stdout)[1]
     (run_dir,) = (tmp_path / "root" / "pipeline_root").glob("*/train/run")
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    assert [e["layer"] for e in events if e["event"] == "restart"] == ["in_process"]
+    assert [e.layer for e in select(read_events(run_dir), Restart)] == ["in_process"]
     assert (run_dir / "checkpoints" / "step_000012" / "manifest.json").is_file()
 
     (executor_output,) = (tmp_path / "root" / "pipeline_root").glob("*/validate-checkpoint/executor_output.json")

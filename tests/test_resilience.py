@@ -23,13 +23,13 @@ import torch
 from tests.conftest import ROOT, losses, train
 from tests.test_training import assert_same_tensors
 from trainer.checkpoint import CHECKPOINTS, SAVE_PHASES, latest_checkpoint, read_full_state, step_dir_name, verify_checkpoint
-from trainer.events import read_events
+from trainer.events import Checkpoint, CheckpointFailed, FaultFired, Restart, RunEnd, Step, read_events
 
 pytestmark = pytest.mark.slow  # real multi-process jobs
 
 
 def restarts(run: Path) -> list[dict]:
-    return [e for e in read_events(run) if e["event"] == "restart"]
+    return [e for e in read_events(run) if isinstance(e, Restart)]
 
 
 @pytest.mark.parametrize(
@@ -40,15 +40,15 @@ def test_each_fault_is_recovered_exactly(data_dir: Path, baseline_60: Path, tmp_
     run = tmp_path / "run"
     train(data_dir, run, "--steps", "60", "--fault", fault)
     events = read_events(run)
-    assert [(e["kind"], e["step"]) for e in events if e["event"] == "fault"] == [(fault.split("@")[0], 15)]
+    assert [(e.kind, e.step) for e in events if isinstance(e, FaultFired)] == [(fault.split("@")[0], 15)]
     (restart,) = restarts(run)
-    assert restart["layer"] == layer
+    assert restart.layer == layer
     # Step 10's async save may still be in flight at step 15 (then the run resumes from 0); once
     # its publication is recorded, the run resumes from it.
-    resumed = restart["resumed_from_step"]
-    published = [e["step"] for e in events if e["event"] == "checkpoint" and e["time"] < restart["time"]]
+    resumed = restart.resumed_from_step
+    published = [e.step for e in events if isinstance(e, Checkpoint) and e.time < restart.time]
     assert resumed in (0, 10) and (resumed == 10 or 10 not in published)
-    assert restart["lost_steps"] == 14 - resumed and restart["recovery_s"] > 0
+    assert restart.lost_steps == 14 - resumed and restart.recovery_s > 0
     assert losses(run) == losses(baseline_60)
 
 
@@ -58,7 +58,7 @@ def test_a_recurring_soft_fault_is_handed_to_in_job_restart(data_dir: Path, base
     run = tmp_path / "run"
     faults = "exception@12:1,exception@13:1,exception@14:0,exception@25:1"
     train(data_dir, run, "--steps", "60", "--fault", faults, "--max-inprocess-restarts", "2")
-    assert [r["layer"] for r in restarts(run)] == ["in_process", "in_process", "in_job", "in_process"]
+    assert [r.layer for r in restarts(run)] == ["in_process", "in_process", "in_job", "in_process"]
     assert losses(run) == losses(baseline_60)
 
 
@@ -69,7 +69,7 @@ def test_sigterm_stops_the_whole_job(data_dir: Path, tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "trainer.cli", "train", "--quiet", "--data", str(data_dir), "--run-dir", str(run), "--steps", "1000"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 180
-    while not any(e["event"] == "step" for e in read_events(run)):  # the workers are training
+    while not any(isinstance(e, Step) for e in read_events(run)):  # the workers are training
         assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
@@ -81,15 +81,15 @@ def test_sigterm_stops_the_whole_job(data_dir: Path, tmp_path: Path) -> None:
 def test_exception_without_inprocess_falls_to_in_job(data_dir: Path, baseline_60: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     train(data_dir, run, "--steps", "60", "--fault", "exception@15:1", "--no-inprocess-restart")
-    assert [r["layer"] for r in restarts(run)] == ["in_job"]
+    assert [r.layer for r in restarts(run)] == ["in_job"]
     assert losses(run) == losses(baseline_60)
 
 
 def test_all_four_faults_in_one_run(data_dir: Path, baseline_60: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     train(data_dir, run, "--steps", "60", "--fault", "exception@12:1,sigkill@23:0,hang@34:1,exit@45:0", "--max-restarts", "5", timeout=900)
-    assert [r["layer"] for r in restarts(run)] == ["in_process", "in_job", "in_job", "in_job"]
-    assert [r["attempt"] for r in restarts(run)] == [1, 2, 3, 4]
+    assert [r.layer for r in restarts(run)] == ["in_process", "in_job", "in_job", "in_job"]
+    assert [r.attempt for r in restarts(run)] == [1, 2, 3, 4]
     assert losses(run) == losses(baseline_60)
 
 
@@ -100,7 +100,7 @@ def test_restarts_exhausted_keeps_last_good_checkpoint(data_dir: Path, tmp_path:
     proc = train(data_dir, run, "--steps", "40", "--fault", "sigkill@15:0,sigkill@30/plan:1", "--max-restarts", "1", check=False)
     assert proc.returncode == 1 and "failed" in proc.stderr
     events = read_events(run)
-    assert events[-1]["event"] == "run_end" and events[-1]["status"] == "failed"
+    assert isinstance(events[-1], RunEnd) and events[-1].status == "failed"
     assert latest_checkpoint(run).name == "step_000020"
     verify_checkpoint(latest_checkpoint(run))
 
@@ -113,7 +113,7 @@ def test_async_checkpoint_equals_state_at_its_step(data_dir: Path, baseline_60: 
     async_ckpt = read_full_state(baseline_60 / CHECKPOINTS / "step_000040")
     train(data_dir, sync_run, "--steps", "60", "--stop-at-step", "40", "--ckpt-mode", "sync")
     assert_same_tensors(async_ckpt, read_full_state(sync_run / CHECKPOINTS / "step_000040"))
-    modes = {e["mode"] for e in read_events(baseline_60) if e["event"] == "checkpoint"}
+    modes = {e.mode for e in read_events(baseline_60) if isinstance(e, Checkpoint)}
     assert modes == {"async"}
 
 
@@ -123,10 +123,10 @@ def test_sigkill_during_background_write_never_publishes_it(data_dir: Path, tmp_
     run = tmp_path / "run"
     train(data_dir, run, "--steps", "14", "--ckpt-every", "5", "--fault", "sigkill@10/write:1")
     events = read_events(run)
-    fault_time = next(e["time"] for e in events if e["event"] == "fault")
-    assert [e["step"] for e in events if e["event"] == "checkpoint" and e["time"] < fault_time] == [5]
+    fault_time = next(e.time for e in events if isinstance(e, FaultFired))
+    assert [e.step for e in events if isinstance(e, Checkpoint) and e.time < fault_time] == [5]
     (restart,) = restarts(run)
-    assert restart["layer"] == "in_job" and restart["resumed_from_step"] == 5
+    assert restart.layer == "in_job" and restart.resumed_from_step == 5
     for path in (run / CHECKPOINTS).glob("step_*"):
         assert ".tmp" not in path.name
         verify_checkpoint(path)
@@ -159,12 +159,12 @@ def test_soft_fault_in_every_save_phase_recovers_in_process(data_dir: Path, base
     run = tmp_path / "run"
     train(data_dir, run, "--steps", "60", "--ckpt-every", "5", "--fault", PHASE_FAULTS, "--max-inprocess-restarts", "8", timeout=900)
     events = read_events(run)
-    fired = [(e["step"], e["phase"], e["rank"]) for e in events if e["event"] == "fault"]
+    fired = [(e.step, e.phase, e.rank) for e in events if isinstance(e, FaultFired)]
     assert fired == [(5 * (i + 1), phase, i % 2) for i, phase in enumerate(SAVE_PHASES * 2)]
-    assert [r["layer"] for r in restarts(run)] == ["in_process"] * len(fired), "a soft fault escalated"
-    assert not [e for e in events if e["event"] == "checkpoint_failed"]
+    assert [r.layer for r in restarts(run)] == ["in_process"] * len(fired), "a soft fault escalated"
+    assert not [e for e in events if isinstance(e, CheckpointFailed)]
     # Each recovery resumes from the save before the one it hit: that one was never published.
-    assert [r["resumed_from_step"] for r in restarts(run)] == [step - 5 for step, _, _ in fired]
+    assert [r.resumed_from_step for r in restarts(run)] == [step - 5 for step, _, _ in fired]
     assert losses(run) == losses(baseline_60)
     assert latest_checkpoint(run).name == step_dir_name(60)
     verify_checkpoint(latest_checkpoint(run))

@@ -19,7 +19,7 @@ from moto.server import ThreadedMotoServer
 from tests.conftest import losses, rfsdp, train
 from trainer.checkpoint import CHECKPOINTS, latest_checkpoint, verify_checkpoint
 from trainer.data.shards import builtin_corpus_text, load_manifest
-from trainer.events import final_losses, read_events
+from trainer.events import Mirror, MirrorFailed, MirrorRestore, RunEnd, RunStart, RunWarning, Step, final_losses, read_events
 from trainer.rank.config import TrainConfig
 from trainer.storage.mirror import CheckpointMirror
 from trainer.storage.store import Storage, fetch_run_dir, open_storage
@@ -178,18 +178,18 @@ def test_s3_outage_mid_upload_never_publishes_a_partial_checkpoint(mirrored_run:
     assert proxy.stopped_at and proxy.restarted_at, "the outage never happened"
     events = read_events(run)
     # Training went on during the outage and its trajectory is untouched.
-    during = [e["step"] for e in events if e["event"] == "step" and proxy.stopped_at < e["time"] < proxy.restarted_at]
+    during = [e.step for e in events if isinstance(e, Step) and proxy.stopped_at < e.time < proxy.restarted_at]
     assert during, "no training step completed while the server was down"
     assert losses(run) == {s: v for s, v in losses(baseline_60).items() if s <= 30}
-    assert [e["status"] for e in events if e["event"] == "run_end"] == ["stopped"]
+    assert [e.status for e in events if isinstance(e, RunEnd)] == ["stopped"]
     # The failed upload was reported and retried; the mirror caught up once the server was back.
-    failed = [e for e in events if e["event"] == "mirror_failed"]
-    assert failed and failed[0]["step"] == 10 and failed[0]["attempt"] == 1 and failed[0]["retry_in_s"] == 1.0
-    assert "s3://" in failed[0]["error"] and "/checkpoints/step_000010/" in failed[0]["error"]
-    assert all(e["step"] == 10 and e["retry_in_s"] for e in failed)  # retried with backoff, never given up
-    mirrored = [e for e in events if e["event"] == "mirror"]
-    assert mirrored[0]["step"] == 10 and mirrored[0]["attempts"] == len(failed) + 1 and mirrored[0]["time"] > proxy.restarted_at
-    assert mirrored[-1]["step"] == 30
+    failed = [e for e in events if isinstance(e, MirrorFailed)]
+    assert failed and failed[0].step == 10 and failed[0].attempt == 1 and failed[0].retry_in_s == 1.0
+    assert "s3://" in failed[0].error and "/checkpoints/step_000010/" in failed[0].error
+    assert all(e.step == 10 and e.retry_in_s for e in failed)  # retried with backoff, never given up
+    mirrored = [e for e in events if isinstance(e, Mirror)]
+    assert mirrored[0].step == 10 and mirrored[0].attempts == len(failed) + 1 and mirrored[0].time > proxy.restarted_at
+    assert mirrored[-1].step == 30
     # The remote latest never named an incomplete checkpoint, and ends at the last one.
     assert mirrored_run.seen_latest and not mirrored_run.violations, mirrored_run.violations
     assert mirrored_run.seen_latest[-1] == "step_000030"
@@ -202,8 +202,8 @@ def test_round_trip_through_s3_resumes_exactly(mirrored_run: MirroredRun, data_d
     remote_manifest = json.loads(open_storage(data).read_bytes("manifest.json"))
     assert remote_manifest["splits"] == load_manifest(data_dir)["splits"]  # same shards, same checksums
 
-    mirrored = [e for e in read_events(first) if e["event"] == "mirror"]
-    assert mirrored and mirrored[-1]["step"] == 30 and mirrored[-1]["uri"] == f"{remote_run}/checkpoints/step_000030"
+    mirrored = [e for e in read_events(first) if isinstance(e, Mirror)]
+    assert mirrored and mirrored[-1].step == 30 and mirrored[-1].uri == f"{remote_run}/checkpoints/step_000030"
     assert open_storage(remote_run).read_bytes("checkpoints/latest") == b"step_000030\n"
     assert list((first / "data_cache").glob("*/train_000.bin"))  # training read the verified local cache
 
@@ -211,10 +211,10 @@ def test_round_trip_through_s3_resumes_exactly(mirrored_run: MirroredRun, data_d
     second = tmp_path / "second"
     train(data, second, "--steps", "60", "--checkpoint-uri", remote_run)
     events = read_events(second)
-    assert [e["step"] for e in events if e["event"] == "mirror_restore"] == [30]
-    (restored,) = [i for i, e in enumerate(events) if e["event"] == "mirror_restore"]
-    assert {e["step"] for e in events[:restored] if e["event"] == "step"} == set(range(1, 31))  # the first run's history came along
-    assert [e["resumed_from_step"] for e in events[restored:] if e["event"] == "run_start"] == [30]
+    assert [e.step for e in events if isinstance(e, MirrorRestore)] == [30]
+    (restored,) = [i for i, e in enumerate(events) if isinstance(e, MirrorRestore)]
+    assert {e.step for e in events[:restored] if isinstance(e, Step)} == set(range(1, 31))  # the first run's history came along
+    assert [e.resumed_from_step for e in events[restored:] if isinstance(e, RunStart)] == [30]
     assert losses(second) == losses(baseline_60)  # all 60 steps, bit for bit
 
     # The remote run dir is complete: latest, retention (keep-last 3), events up to run_end.
@@ -223,7 +223,7 @@ def test_round_trip_through_s3_resumes_exactly(mirrored_run: MirroredRun, data_d
     verify_checkpoint(latest_checkpoint(fetched), world_size=2)
     assert latest_checkpoint(fetched).name == "step_000060"
     assert final_losses(read_events(fetched)) == losses(baseline_60)
-    assert [e["status"] for e in read_events(fetched) if e["event"] == "run_end"] == ["stopped", "completed"]
+    assert [e.status for e in read_events(fetched) if isinstance(e, RunEnd)] == ["stopped", "completed"]
     assert json.loads((fetched / "config.json").read_text())["steps"] == 60
 
     # Bit rot in the newest remote checkpoint: detected by checksum on read, the previous one is used.
@@ -239,7 +239,7 @@ def test_round_trip_through_s3_resumes_exactly(mirrored_run: MirroredRun, data_d
         assert mirror.restore(fingerprint=fingerprint, world_size=2) == 50
     finally:
         mirror.close()
-    (warning,) = [e for e in read_events(third) if e["event"] == "warning"]
-    assert warning["step"] == 60 and warning["kind"] == "checkpoint_skipped"
-    assert f"{remote_run}/checkpoints/step_000060/__0_0.distcp fails its checksum" in warning["reason"]
+    (warning,) = [e for e in read_events(third) if isinstance(e, RunWarning)]
+    assert warning.step == 60 and warning.kind == "checkpoint_skipped"
+    assert f"{remote_run}/checkpoints/step_000060/__0_0.distcp fails its checksum" in warning.reason
     assert latest_checkpoint(third).name == "step_000050" and not list((third / CHECKPOINTS).glob("*.tmp*"))

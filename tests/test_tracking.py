@@ -12,8 +12,8 @@ import pytest
 from mlflow import MlflowClient
 
 from tests.conftest import MlflowServer, rfsdp
-from trainer.events import read_events
-from trainer.results.tracking import EVENTS_HASH_TAG, TrackingError, log_run, summarize
+from trainer.events import Checkpoint, Restart, Step, from_record, read_events, summarize
+from trainer.results.tracking import EVENTS_HASH_TAG, TrackingError, log_run
 
 pytestmark = pytest.mark.slow
 
@@ -37,8 +37,8 @@ def _tree_digest(root: Path) -> dict[str, str]:
 
 def test_summary_definitions() -> None:
     """Goodput counts each step's last line once and wall time only inside sessions."""
-    ev = [
-        {"event": "run_start", "time": 100.0, "rank": 0, "config": {}, "world_size": 2},
+    records = [
+        {"event": "run_start", "time": 100.0, "rank": 0, "config": {}, "resumed_from_step": 0, "world_size": 2},
         {"event": "step", "time": 101.0, "rank": 0, "step": 1, "loss": 5.0, "step_time_s": 1.0, "tokens": 100},
         {"event": "step", "time": 102.0, "rank": 0, "step": 2, "loss": 4.0, "step_time_s": 1.0, "tokens": 100},
         {"event": "checkpoint", "time": 102.5, "rank": 0, "step": 2, "mode": "sync", "blocking_s": 0.5, "total_s": 1.0, "bytes": 2_000_000},
@@ -49,12 +49,14 @@ def test_summary_definitions() -> None:
         {"event": "step", "time": 107.0, "rank": 0, "step": 4, "loss": 3.0, "step_time_s": 1.0, "tokens": 100},
         {"event": "run_end", "time": 107.0, "rank": 0, "status": "stopped", "step": 4},
         # resumed later from the step-2 checkpoint: steps 3 and 4 run again; the gap is not wall time
-        {"event": "run_start", "time": 200.0, "rank": 0, "config": {}, "world_size": 2},
+        {"event": "run_start", "time": 200.0, "rank": 0, "config": {}, "resumed_from_step": 2, "world_size": 2},
         {"event": "step", "time": 201.0, "rank": 0, "step": 3, "loss": 3.5, "step_time_s": 0.5, "tokens": 100},
         {"event": "step", "time": 202.0, "rank": 0, "step": 4, "loss": 3.0, "step_time_s": 0.5, "tokens": 100},
         {"event": "step", "time": 203.0, "rank": 0, "step": 5, "loss": 2.5, "step_time_s": 0.5, "tokens": 100},
         {"event": "run_end", "time": 203.5, "rank": 0, "status": "completed", "step": 5},
     ]  # fmt: skip
+    ev = [from_record(r) for r in records]  # as read back from events.jsonl
+    assert None not in ev
     s = summarize(ev)
     wall = (107 - 100) + (203.5 - 200)
     assert s["wall_time_s"] == wall
@@ -69,10 +71,10 @@ def test_summary_definitions() -> None:
 
 def test_faulty_run_logged_to_real_server(faulty_run: Path, mlflow_server: MlflowServer, monkeypatch: pytest.MonkeyPatch) -> None:
     events = read_events(faulty_run)
-    restarts = [e for e in events if e["event"] == "restart"]
-    ckpts = [e for e in events if e["event"] == "checkpoint"]
-    steps = [e for e in events if e["event"] == "step"]
-    assert {e["layer"] for e in restarts} == {"in_process", "in_job"}  # both faults really recovered
+    restarts = [e for e in events if isinstance(e, Restart)]
+    ckpts = [e for e in events if isinstance(e, Checkpoint)]
+    steps = [e for e in events if isinstance(e, Step)]
+    assert {e.layer for e in restarts} == {"in_process", "in_job"}  # both faults really recovered
 
     validation = {"valid": True, "step": 30}
     tags = {"kfp_run_id": "run-123", "kfp_pipeline_job": "resilient-fsdp-abc"}
@@ -83,17 +85,17 @@ def test_faulty_run_logged_to_real_server(faulty_run: Path, mlflow_server: Mlflo
 
     # counts and values match events.jsonl
     for layer in ("in_process", "in_job"):
-        assert m[f"restarts_{layer}"] == sum(e["layer"] == layer for e in restarts)
+        assert m[f"restarts_{layer}"] == sum(e.layer == layer for e in restarts)
     recovery = client.get_metric_history(run_id, "restart_recovery_s")
-    assert sorted((x.step, x.value) for x in recovery) == sorted((e["attempt"], e["recovery_s"]) for e in restarts)
-    assert m["recovery_s_max"] == max(e["recovery_s"] for e in restarts)
-    assert m["lost_steps"] == sum(e["lost_steps"] for e in restarts)
+    assert sorted((x.step, x.value) for x in recovery) == sorted((e.attempt, e.recovery_s) for e in restarts)
+    assert m["recovery_s_max"] == max(e.recovery_s for e in restarts)
+    assert m["lost_steps"] == sum(e.lost_steps for e in restarts)
     blocking = client.get_metric_history(run_id, "ckpt_blocking_s")
-    assert sorted((x.step, x.value) for x in blocking) == sorted((e["step"], e["blocking_s"]) for e in ckpts)
-    assert m["checkpoints"] == len(ckpts) and m["ckpt_blocking_s_total"] == pytest.approx(sum(e["blocking_s"] for e in ckpts))
+    assert sorted((x.step, x.value) for x in blocking) == sorted((e.step, e.blocking_s) for e in ckpts)
+    assert m["checkpoints"] == len(ckpts) and m["ckpt_blocking_s_total"] == pytest.approx(sum(e.blocking_s for e in ckpts))
     loss = client.get_metric_history(run_id, "loss")  # every step line, at its real time
-    assert sorted((x.step, x.timestamp) for x in loss) == sorted((e["step"], int(e["time"] * 1000)) for e in steps)
-    assert m["final_loss"] == [e for e in steps if e["step"] == 30][-1]["loss"]
+    assert sorted((x.step, x.timestamp) for x in loss) == sorted((e.step, int(e.time * 1000)) for e in steps)
+    assert m["final_loss"] == [e for e in steps if e.step == 30][-1]["loss"]
     assert m["goodput"] == pytest.approx(summarize(events)["goodput"]) and 0 < m["goodput"] < 1
 
     assert (p["ckpt_mode"], p["fault"], p["world_size"], p["backend"], p["steps"]) == ("async", SPEC, "2", "local", "30")
@@ -106,8 +108,8 @@ def test_faulty_run_logged_to_real_server(faulty_run: Path, mlflow_server: Mlflo
     assert json.loads(Path(client.download_artifacts(run_id, "validation.json", str(faulty_run.parent / "dl"))).read_text()) == validation
     table = json.loads(Path(client.download_artifacts(run_id, "restarts.json", str(faulty_run.parent / "dl"))).read_text())
     rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]
-    assert [r["layer"] for r in rows] == [e["layer"] for e in restarts]
-    assert [r["recovery_s"] for r in rows] == pytest.approx([e["recovery_s"] for e in restarts])  # the table rounds to 10 digits
+    assert [r["layer"] for r in rows] == [e.layer for e in restarts]
+    assert [r["recovery_s"] for r in rows] == pytest.approx([e.recovery_s for e in restarts])  # the table rounds to 10 digits
     assert [r["fault_kind"] for r in rows] == ["exception", "sigkill"]
 
     # logging again (through the CLI, the server named by MLFLOW_TRACKING_URI) changes nothing
@@ -165,5 +167,5 @@ def test_server_down_retries_then_fails_clearly_and_nothing_is_lost(faulty_run: 
     run_id = log_run(faulty_run, tracking_uri=uri, experiment="after-outage")
     run = MlflowClient(uri).get_run(run_id)
     events = read_events(faulty_run)
-    assert run.data.metrics["restarts"] == sum(e["event"] == "restart" for e in events)
-    assert run.data.metrics["checkpoints"] == sum(e["event"] == "checkpoint" for e in events)
+    assert run.data.metrics["restarts"] == sum(isinstance(e, Restart) for e in events)
+    assert run.data.metrics["checkpoints"] == sum(isinstance(e, Checkpoint) for e in events)

@@ -10,7 +10,7 @@ import torch
 
 from tests.conftest import losses, rfsdp, train
 from trainer.checkpoint import CHECKPOINTS, latest_checkpoint, read_full_state, verify_checkpoint
-from trainer.events import read_events
+from trainer.events import Checkpoint, RunEnd, RunStart, RunWarning, read_events, select
 
 pytestmark = pytest.mark.slow  # real multi-process jobs
 
@@ -31,8 +31,8 @@ def test_training_lowers_the_loss(baseline_60: Path) -> None:
     assert sorted(loss) == list(range(1, 61))
     assert sum(loss[s] for s in range(51, 61)) / 10 < loss[1] - 1.0
     events = read_events(baseline_60)
-    assert [e["step"] for e in events if e["event"] == "checkpoint"] == [10, 20, 30, 40, 50, 60]
-    assert events[-1]["event"] == "run_end" and events[-1]["status"] == "completed"
+    assert [e.step for e in select(events, Checkpoint)] == [10, 20, 30, 40, 50, 60]
+    assert isinstance(events[-1], RunEnd) and events[-1].status == "completed"
     # keep-last-3 retention and a verified latest
     assert latest_checkpoint(baseline_60).name == "step_000060"
     assert sorted(p.name for p in (baseline_60 / CHECKPOINTS).glob("step_*")) == ["step_000040", "step_000050", "step_000060"]
@@ -57,9 +57,9 @@ def test_torn_checkpoint_is_skipped(data_dir: Path, baseline_60: Path, tmp_path:
     shard.write_bytes(shard.read_bytes()[:-64])  # a shard truncated
     train(data_dir, run, "--steps", "60", "--keep-last", "5")
     events = read_events(run)
-    skipped = [e for e in events if e["event"] == "warning" and e["kind"] == "checkpoint_skipped"]
-    assert [e["step"] for e in skipped] == [30, 20]
-    assert [e["resumed_from_step"] for e in events if e["event"] == "run_start"] == [0, 10]
+    skipped = [e for e in select(events, RunWarning) if e.kind == "checkpoint_skipped"]
+    assert [e.step for e in skipped] == [30, 20]
+    assert [e.resumed_from_step for e in select(events, RunStart)] == [0, 10]
     assert losses(run) == losses(baseline_60)
     verify_checkpoint(latest_checkpoint(run))
 

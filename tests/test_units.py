@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from trainer.data.shards import DataError, TokenLoader, decode, encode, load_manifest, load_split, prepare_tokens, verify_shards
-from trainer.events import describe_restart, final_losses, parse_event_lines
+from trainer.events import EventLog, FaultFired, Restart, RunEnd, RunStart, Step, describe_restart, final_losses, parse_event_lines
 from trainer.faults import parse_fault_spec
 from trainer.launch.local import STORE_PORT_SPAN, LaunchSpec, check_launch, free_port_base
 from trainer.rank.config import Timeouts, TrainConfig
@@ -119,22 +119,23 @@ def test_loader_shards_by_rank_and_resumes_from_its_position() -> None:
 
 def test_describe_restart_measures_from_the_fault() -> None:
     prior = [
-        {"event": "run_start", "time": 0.0},
-        *({"event": "step", "time": float(s), "step": s, "loss": 1.0} for s in range(1, 15)),
-        {"event": "fault", "time": 14.5, "kind": "exception", "step": 15},
+        RunStart(time=0.0, config={}, resumed_from_step=0, world_size=2),
+        *(Step(time=float(s), step=s, loss=1.0, step_time_s=0.5) for s in range(1, 15)),
+        FaultFired(time=14.5, kind="exception", step=15),
     ]
     r = describe_restart(prior, layer="in_process", resumed_from=10, first_step_time=20.0)
-    assert r == {"layer": "in_process", "attempt": 1, "resumed_from_step": 10, "lost_steps": 4, "recovery_s": 5.5}
+    assert r == Restart(layer="in_process", attempt=1, resumed_from_step=10, lost_steps=4, recovery_s=5.5)
 
 
 def test_torn_event_lines_are_skipped() -> None:
     """A writer killed mid-line leaves a partial line; the next writer's line follows on it."""
-    text = '{"event": "step", "step": 1}\n{"event": "step", "st{"event": "step", "step": 2}\n{"event": "step", "step": 3}\n'
-    assert [e["step"] for e in parse_event_lines(text)] == [1, 3]
+    line = '{{"event": "step", "step": {}, "loss": 1.0, "step_time_s": 0.1}}'
+    text = f"{line.format(1)}\n{line.format(2)[:20]}{line.format(2)}\n{line.format(3)}\n"
+    assert [e.step for e in parse_event_lines(text)] == [1, 3]
 
 
 def test_final_losses_take_the_last_line() -> None:
-    events = [{"event": "step", "step": 1, "loss": 2.0}, {"event": "step", "step": 1, "loss": 1.5}]
+    events = [Step(step=1, loss=2.0, step_time_s=0.1), Step(step=1, loss=1.5, step_time_s=0.1)]
     assert final_losses(events) == {1: 1.5}
 
 
@@ -155,8 +156,8 @@ def test_launch_refuses_bad_input_before_starting(tmp_path: Path, data_dir: Path
 def test_recovery_layer() -> None:
     from trainer.events import recovery_layer
 
-    crashed = [{"event": "run_start"}, {"event": "step", "step": 1}]
-    finished = [*crashed, {"event": "run_end", "status": "stopped"}]
+    crashed = [RunStart(config={}, resumed_from_step=0, world_size=2), Step(step=1, loss=1.0, step_time_s=0.1)]
+    finished = [*crashed, RunEnd(status="stopped")]
     assert recovery_layer(crashed, in_process_iteration=1, in_job_restart=0) == "in_process"
     assert recovery_layer(finished, in_process_iteration=0, in_job_restart=2) == "in_job"
     assert recovery_layer(crashed, in_process_iteration=0, in_job_restart=0) == "in_job"  # a replaced replica
@@ -186,11 +187,10 @@ def test_outside_internals_the_async_writer_relies_on() -> None:
 
 
 def test_validation_replays_never_touch_the_runs_mirror_or_faults(tmp_path: Path, data_dir: Path) -> None:
-    from trainer.events import EventLog
     from trainer.results.validate import _run_config
 
     recorded = cfg(fault="exception@5:1", checkpoint_uri="s3://production/run", stop_at_step=30).to_dict()
-    EventLog(tmp_path, 0).emit("run_start", config=recorded, resumed_from_step=0, world_size=2)
+    EventLog(tmp_path, 0).emit(RunStart(config=recorded, resumed_from_step=0, world_size=2))
     replay = _run_config(tmp_path, data_dir)
     assert (replay.checkpoint_uri, replay.fault, replay.stop_at_step) == ("", "", 0)
     assert replay.trajectory_hash() == cfg(**{k: v for k, v in recorded.items() if k not in ("data", "run_dir")}).trajectory_hash()

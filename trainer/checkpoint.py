@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from trainer.events import EventLog
+from trainer.events import Checkpoint, CheckpointFailed, EventLog, RunWarning
 from trainer.fsutil import atomic_write_text, file_sha256, fsync_dir
 
 CHECKPOINTS = "checkpoints"
@@ -205,14 +205,14 @@ class Checkpointer:
                 try:
                     verify_checkpoint(path, fingerprint=self.fingerprint, world_size=self.world_size)
                 except CheckpointError as e:
-                    self.events.emit("warning", kind="checkpoint_skipped", step=step, reason=str(e))
+                    self.events.emit(RunWarning(kind="checkpoint_skipped", step=step, reason=str(e)))
                     continue
                 chosen = [step]
                 break
             latest = latest_checkpoint(self.root.parent)
             if chosen[0] is not None and (latest is None or latest.name != step_dir_name(chosen[0])):
                 atomic_write_text(self.root / LATEST, step_dir_name(chosen[0]) + "\n")
-                self.events.emit("warning", kind="latest_repaired", step=chosen[0], was=latest.name if latest else None)
+                self.events.emit(RunWarning(kind="latest_repaired", step=chosen[0], was=latest.name if latest else None))
         dist.broadcast_object_list(chosen, src=0, group=self.group)
         if chosen[0] is None:
             return 0
@@ -281,12 +281,13 @@ class Checkpointer:
             self._fail(pending, e)
             return
         self.events.emit(
-            "checkpoint",
-            step=pending.step,
-            mode=self.writer.mode,
-            blocking_s=pending.blocking_s,
-            total_s=time.time() - pending.started,
-            bytes=checkpoint_bytes(final),
+            Checkpoint(
+                step=pending.step,
+                mode=self.writer.mode,
+                blocking_s=pending.blocking_s,
+                total_s=time.time() - pending.started,
+                bytes=checkpoint_bytes(final),
+            )
         )
         if self.on_published is not None:
             self.on_published(final)
@@ -295,7 +296,7 @@ class Checkpointer:
         # Not fatal: the save is retried at the next interval; nothing is published.
         self.pending = None
         if self.rank == 0:
-            self.events.emit("checkpoint_failed", step=pending.step, mode=self.writer.mode, error=str(error))
+            self.events.emit(CheckpointFailed(step=pending.step, mode=self.writer.mode, error=str(error)))
             shutil.rmtree(pending.tmp_dir, ignore_errors=True)
 
     def _publish(self, pending: _Pending) -> Path:

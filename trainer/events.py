@@ -1,18 +1,209 @@
-"""``RUN_DIR/events.jsonl``: the append-only record every other part reads (design.md section 3).
+"""The events contract: ``RUN_DIR/events.jsonl``, the append-only record every other part reads.
 
-Each line is one JSON object with ``event``, ``time`` (unix seconds) and ``rank``. Lines are
-written with a single ``O_APPEND`` write so that several processes can share the file.
+Every event kind is a typed record below (:data:`EVENT_TYPES`); :class:`EventLog` writes them and
+:func:`read_events` reads them back. The questions other parts ask of a run (each step's final
+loss, the restarts, the checkpoint stalls, goodput) are answered here and nowhere else, so the
+trainer, the validator, MLflow tracking, the notebook and the benchmarks cannot disagree.
+``docs/events.md`` documents the same kinds and fields (a test holds the two together).
+
+On disk each line is one JSON object: ``event`` (the kind), ``time`` (unix seconds), ``rank``
+(-1: the launcher) and the kind's fields. Lines are written with a single ``O_APPEND`` write so
+that several processes can share the file; a line torn by a killed writer is skipped on reading.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, ClassVar, TypeVar
 
 EVENTS_FILE = "events.jsonl"
+RESTART_LAYERS = ("in_process", "in_job")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """What every event has; ``time`` and ``rank`` are stamped by :meth:`EventLog.emit`."""
+
+    KIND: ClassVar[str] = ""
+    time: float = 0.0
+    rank: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunStart(Event):
+    """A fresh start, or a deliberate resume of a run that ended (``run_end``). A start that
+    continues a run which never ended (a replica replaced by its supervisor) is a recovery and
+    writes ``restart`` (``in_job``) instead.
+    """
+
+    KIND: ClassVar[str] = "run_start"
+    config: dict[str, Any]
+    resumed_from_step: int
+    world_size: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Step(Event):
+    """A completed training step (a step redone after a fault is written again)."""
+
+    KIND: ClassVar[str] = "step"
+    step: int
+    loss: float
+    """Exact float, mean over ranks."""
+    step_time_s: float
+    tokens: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checkpoint(Event):
+    """A checkpoint was published."""
+
+    KIND: ClassVar[str] = "checkpoint"
+    step: int
+    mode: str
+    """``async`` or ``sync``."""
+    blocking_s: float
+    """How long the training loop was stalled."""
+    total_s: float
+    """From the start of the save until it was published."""
+    bytes: int
+
+    @property
+    def write_mb_s(self) -> float:
+        """Write throughput, MB/s over ``total_s``."""
+        return self.bytes / self.total_s / 1e6 if self.total_s > 0 else 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointFailed(Event):
+    """A save failed: nothing was published; it is retried at the next interval."""
+
+    KIND: ClassVar[str] = "checkpoint_failed"
+    step: int
+    mode: str
+    error: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mirror(Event):
+    """A checkpoint is complete in object storage and the remote ``latest`` names it."""
+
+    KIND: ClassVar[str] = "mirror"
+    step: int
+    uri: str
+    bytes: int
+    upload_s: float
+    attempts: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class MirrorFailed(Event):
+    """An upload failed; training goes on. ``retry_in_s`` ``None``: given up (local retention
+    removed the checkpoint, or the run ended).
+    """
+
+    KIND: ClassVar[str] = "mirror_failed"
+    step: int | None
+    attempt: int | None
+    error: str
+    retry_in_s: float | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class MirrorRestore(Event):
+    """An empty run dir was resumed from the remote checkpoint."""
+
+    KIND: ClassVar[str] = "mirror_restore"
+    step: int
+    uri: str
+    bytes: int
+    download_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunWarning(Event):
+    """Something was repaired or skipped. ``kind`` ``checkpoint_skipped``: ``step``, ``reason`` (a
+    torn or corrupt checkpoint at resume); ``latest_repaired``: ``step``, ``was`` (``latest`` named
+    another checkpoint than the one resumed from).
+    """
+
+    KIND: ClassVar[str] = "warning"
+    kind: str
+    step: int
+    reason: str | None = None
+    was: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultFired(Event):
+    """An injected fault, written just before it fires. ``phase``: only for a fault inside a save;
+    ``node``, ``seconds``: only for node faults (``rank`` -1).
+    """
+
+    KIND: ClassVar[str] = "fault"
+    kind: str
+    step: int
+    phase: str | None = None
+    node: int | None = None
+    seconds: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Restart(Event):
+    """A recovery, written at the first step completed after it."""
+
+    KIND: ClassVar[str] = "restart"
+    layer: str
+    """``in_process`` or ``in_job``."""
+    attempt: int
+    resumed_from_step: int
+    lost_steps: int
+    """Steps done since ``resumed_from_step`` that had to be redone."""
+    recovery_s: float
+    """From the fault to the first step completed after it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunEnd(Event):
+    """The end of a session: ``completed`` or ``stopped`` (``--stop-at-step``) by rank 0, or
+    ``failed`` with ``exit_code`` by the launcher (``rank`` -1) when restarts ran out.
+    """
+
+    KIND: ClassVar[str] = "run_end"
+    status: str
+    step: int | None = None
+    exit_code: int | None = None
+
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    cls.KIND: cls
+    for cls in (RunStart, Step, Checkpoint, CheckpointFailed, Mirror, MirrorFailed, MirrorRestore, RunWarning, FaultFired, Restart, RunEnd)
+}
+E = TypeVar("E", bound=Event)
+
+
+def to_record(event: Event) -> dict[str, Any]:
+    """The JSON object of an event, as written to ``events.jsonl``."""
+    return {"event": event.KIND, **dataclasses.asdict(event)}
+
+
+def from_record(record: dict[str, Any]) -> Event | None:
+    """The typed event of a JSON object (None: not an event of a known kind, or incomplete)."""
+    cls = EVENT_TYPES.get(record.get("event")) if isinstance(record, dict) else None
+    if cls is None:
+        return None
+    names = {f.name for f in dataclasses.fields(cls)}
+    try:
+        return cls(**{k: v for k, v in record.items() if k in names})
+    except TypeError:  # a required field is missing
+        return None
 
 
 class EventLog:
@@ -22,41 +213,111 @@ class EventLog:
         self.path = Path(run_dir) / EVENTS_FILE
         self.rank = rank
 
-    def emit(self, event: str, **fields: object) -> dict:
-        """Append one event and return it."""
-        record = {"event": event, "time": time.time(), "rank": self.rank, **fields}
-        line = (json.dumps(record) + "\n").encode()
+    def emit(self, event: E) -> E:
+        """Append one event, stamped with the time and this log's rank; returns the stamped event."""
+        event = dataclasses.replace(event, time=time.time(), rank=self.rank)
+        line = (json.dumps(to_record(event)) + "\n").encode()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, line)
         finally:
             os.close(fd)
-        return record
+        return event
 
 
-def read_events(run_dir: Path) -> list[dict]:
+def read_events(run_dir: Path) -> list[Event]:
     """All events of a run, in file order (torn lines from killed writers are skipped)."""
     path = Path(run_dir) / EVENTS_FILE
     return list(parse_event_lines(path.read_text())) if path.exists() else []
 
 
-def parse_event_lines(text: str) -> Iterator[dict]:
+def parse_event_lines(text: str) -> Iterator[Event]:
     """The events in ``text``, skipping torn lines: a process killed mid-write leaves a partial
     line, which the next writer's line then follows on the same line.
     """
     for line in text.splitlines():
         try:
-            yield json.loads(line)
+            event = from_record(json.loads(line))
         except json.JSONDecodeError:
             continue
+        if event is not None:
+            yield event
 
 
-def final_losses(events: list[dict]) -> dict[int, float]:
-    """Each step's final loss: the last ``step`` line for it wins (re-executed steps re-log)."""
-    return {e["step"]: e["loss"] for e in events if e["event"] == "step"}
+class EventTail:
+    """Follows a run's ``events.jsonl`` as it grows: each :meth:`new` returns the events
+    appended since the last call (complete lines only).
+    """
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / EVENTS_FILE
+        self._seen = self.path.stat().st_size if self.path.exists() else 0
+
+    def new(self) -> list[Event]:
+        """Events completed since the last call (those present at construction are skipped)."""
+        if not self.path.exists() or self.path.stat().st_size <= self._seen:
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self._seen)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self._seen += len(complete)
+        return list(parse_event_lines(complete.decode(errors="replace")))
 
 
-def recovery_layer(prior: list[dict], *, in_process_iteration: int, in_job_restart: int) -> str | None:
+def first_run_start_line(path: Path) -> bytes | None:
+    """The raw line of the first ``run_start`` in an events file (a run dir's identity)."""
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                if isinstance(from_record(json.loads(line)), RunStart):
+                    return line
+            except json.JSONDecodeError:
+                continue
+    return None
+
+
+# --------------------------------------------------------------------------- the questions asked of a run
+
+
+def select(events: Iterable[Event], kind: type[E]) -> list[E]:
+    """The events of one kind, in order."""
+    return [e for e in events if isinstance(e, kind)]
+
+
+def final_steps(events: Iterable[Event]) -> dict[int, Step]:
+    """The final trajectory: each step's last ``step`` event (re-executed steps log again)."""
+    return {e.step: e for e in select(events, Step)}
+
+
+def final_losses(events: Iterable[Event]) -> dict[int, float]:
+    """Each step's final loss: the last ``step`` event for it wins."""
+    return {step: e.loss for step, e in final_steps(events).items()}
+
+
+def sessions(events: Iterable[Event]) -> list[list[Event]]:
+    """Split events into sessions: each starts at a ``run_start`` (a fresh start or a resume).
+
+    In-process and in-job restarts stay inside their session (they write no ``run_start``).
+    Events before the first ``run_start`` (none are written by the trainer) are dropped.
+    """
+    out: list[list[Event]] = []
+    for e in events:
+        if isinstance(e, RunStart):
+            out.append([e])
+        elif out:
+            out[-1].append(e)
+    return out
+
+
+def session_finished(events: list[Event]) -> bool:
+    """Whether the latest session ended well (``run_end`` completed or stopped)."""
+    runs = sessions(events)
+    ends = select(runs[-1], RunEnd) if runs else []
+    return bool(ends) and ends[-1].status in ("completed", "stopped")
+
+
+def recovery_layer(prior: list[Event], *, in_process_iteration: int, in_job_restart: int) -> str | None:
     """Which layer brought this incarnation of the trainer back (None: a fresh or deliberate start).
 
     A replica restarted by its supervisor (a pod's ``restartPolicy``, the netns harness) runs a
@@ -67,25 +328,100 @@ def recovery_layer(prior: list[dict], *, in_process_iteration: int, in_job_resta
         return "in_process"
     if in_job_restart:
         return "in_job"
-    sessions = [e["event"] for e in prior if e["event"] in ("run_start", "run_end")]
-    return "in_job" if sessions and sessions[-1] == "run_start" else None
+    bounds = [e for e in prior if isinstance(e, RunStart | RunEnd)]
+    return "in_job" if bounds and isinstance(bounds[-1], RunStart) else None
 
 
-def describe_restart(prior: list[dict], *, layer: str, resumed_from: int, first_step_time: float) -> dict:
-    """Fields of the ``restart`` event for a recovery, from the events written before it.
+def describe_restart(prior: list[Event], *, layer: str, resumed_from: int, first_step_time: float) -> Restart:
+    """The ``restart`` event for a recovery, from the events written before it.
 
     ``recovery_s`` runs from the fault (its ``fault`` event; for a fault that was not injected,
     the last step completed before it) to the first step completed after it. ``lost_steps`` are
     the steps done since ``resumed_from`` that must be redone.
     """
-    since = max((e["time"] for e in prior if e["event"] in ("restart", "run_start")), default=0.0)
-    faults = [e["time"] for e in prior if e["event"] == "fault" and e["time"] >= since]
-    steps = [e for e in prior if e["event"] == "step"]
-    fault_time = faults[-1] if faults else max((e["time"] for e in steps), default=first_step_time)
+    since = max((e.time for e in prior if isinstance(e, Restart | RunStart)), default=0.0)
+    faults = [e.time for e in select(prior, FaultFired) if e.time >= since]
+    steps = select(prior, Step)
+    fault_time = faults[-1] if faults else max((e.time for e in steps), default=first_step_time)
+    return Restart(
+        layer=layer,
+        attempt=1 + len(select(prior, Restart)),
+        resumed_from_step=resumed_from,
+        lost_steps=max(0, max((e.step for e in steps), default=resumed_from) - resumed_from),
+        recovery_s=first_step_time - fault_time,
+    )
+
+
+def restarts_with_faults(events: Iterable[Event]) -> list[tuple[Restart, FaultFired | None]]:
+    """Each ``restart`` with the injected ``fault`` that caused it (None: a fault not injected)."""
+    out: list[tuple[Restart, FaultFired | None]] = []
+    fault = None
+    for e in events:
+        if isinstance(e, FaultFired):
+            fault = e
+        elif isinstance(e, Restart):
+            out.append((e, fault))
+            fault = None
+    return out
+
+
+def summarize(events: list[Event]) -> dict[str, float | int | None]:
+    """Summary figures of a run from its events (``None`` where a figure is undefined).
+
+    Definitions:
+        * ``wall_time_s``: summed over sessions, the time from a session's ``run_start`` to its
+          last event (gaps between a stopped run and its resume are not wall time of the job).
+        * ``useful_time_s``: the sum of ``step_time_s`` over the final trajectory, i.e. over each
+          step's *last* ``step`` event; steps lost to a fault and re-executed count once.
+        * ``goodput``: ``useful_time_s / wall_time_s``. It excludes startup, checkpoint stalls,
+          lost work and recovery, and also the small per-step bookkeeping outside the timed
+          step, so even a fault-free run stays a little below 1.
+        * ``ckpt_overhead``: the summed ``blocking_s`` of published checkpoints / ``wall_time_s``
+          (the share of wall time the training loop was stopped for checkpointing).
+        * ``restarts_<layer>``, ``recovery_s_mean|p50|max`` (fault to first completed step
+          after it) and ``lost_steps`` (summed) from the ``restart`` events.
+        * ``ckpt_write_mb_s_mean``: mean over checkpoints of ``bytes / total_s`` in MB/s
+          (from the start of a save until it was published).
+        * ``tokens_per_s``: tokens of the final trajectory / ``useful_time_s``.
+        * ``final_step`` / ``final_loss``: the last step of the final trajectory and its loss.
+
+    Args:
+        events: the run's events in file order (see :func:`read_events`).
+
+    Returns:
+        Figure name -> value.
+    """
+    steps = final_steps(events)
+    restarts = select(events, Restart)
+    ckpts = select(events, Checkpoint)
+    recovery = [e.recovery_s for e in restarts]
+    blocking = [e.blocking_s for e in ckpts]
+    wall = sum(s[-1].time - s[0].time for s in sessions(events))
+    useful = sum(e.step_time_s for e in steps.values())
+    tokens = sum(e.tokens for e in steps.values())
+    last = max(steps, default=None)
     return {
-        "layer": layer,
-        "attempt": 1 + sum(e["event"] == "restart" for e in prior),
-        "resumed_from_step": resumed_from,
-        "lost_steps": max(0, max((e["step"] for e in steps), default=resumed_from) - resumed_from),
-        "recovery_s": first_step_time - fault_time,
+        "steps_executed": len(select(events, Step)),
+        "final_step": last,
+        "final_loss": steps[last].loss if last is not None else None,
+        "faults": len(select(events, FaultFired)),
+        "restarts": len(restarts),
+        **{f"restarts_{layer}": sum(e.layer == layer for e in restarts) for layer in RESTART_LAYERS},
+        "recovery_s_mean": statistics.fmean(recovery) if recovery else None,
+        "recovery_s_p50": statistics.median(recovery) if recovery else None,
+        "recovery_s_max": max(recovery, default=None),
+        "lost_steps": sum(e.lost_steps for e in restarts),
+        "checkpoints": len(ckpts),
+        "checkpoints_failed": len(select(events, CheckpointFailed)),
+        "ckpt_blocking_s_total": sum(blocking),
+        "ckpt_blocking_s_mean": statistics.fmean(blocking) if blocking else None,
+        "ckpt_blocking_s_p50": statistics.median(blocking) if blocking else None,
+        "ckpt_blocking_s_max": max(blocking, default=None),
+        "ckpt_total_s_mean": statistics.fmean(e.total_s for e in ckpts) if ckpts else None,
+        "ckpt_write_mb_s_mean": statistics.fmean(e.write_mb_s for e in ckpts) if ckpts else None,
+        "wall_time_s": wall,
+        "useful_time_s": useful,
+        "goodput": useful / wall if wall > 0 else None,
+        "ckpt_overhead": sum(blocking) / wall if wall > 0 else None,
+        "tokens_per_s": tokens / useful if useful > 0 else None,
     }

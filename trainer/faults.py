@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from trainer.checkpoint import SAVE_PHASES
-from trainer.events import EventLog
+from trainer.events import EventLog, FaultFired
 
 RANK_KINDS = ("exception", "sigkill", "hang", "exit")
 NODE_KINDS = ("node-loss", "partition")
@@ -136,7 +136,7 @@ class FaultInjector:
         fault = self.pending.get((step, phase))
         if fault is None or not claim_fault(self.run_dir, fault.key):
             return
-        self.events.emit("fault", kind=fault.kind, step=step, **({"phase": phase} if phase else {}))
+        self.events.emit(FaultFired(kind=fault.kind, step=step, phase=phase or None))
         if fault.kind == "exception":
             raise InjectedFault(f"injected exception at step {step}")
         if fault.kind == "sigkill":
@@ -178,7 +178,7 @@ class NodeFaultInjector:
             fault = self.pending.pop(0)
             if not claim_fault(self.run_dir, fault.key):
                 continue  # fired before this launch (a resumed run)
-            self.events.emit("fault", kind=fault.kind, step=completed_step + 1, node=fault.node, seconds=fault.seconds)
+            self.events.emit(FaultFired(kind=fault.kind, step=completed_step + 1, node=fault.node, seconds=fault.seconds))
             if fault.kind == "node-loss":
                 self.control.kill_node(fault.node)
             else:

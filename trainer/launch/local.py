@@ -27,7 +27,7 @@ from typing import IO, Any, Protocol
 
 from trainer.data.prepare import local_data
 from trainer.data.shards import DataError, load_manifest, verify_shards
-from trainer.events import EVENTS_FILE, EventLog, parse_event_lines
+from trainer.events import EventLog, EventTail, Restart, RunEnd, Step
 from trainer.faults import NodeControl, NodeFault, NodeFaultInjector, parse_fault_spec
 from trainer.rank.config import TRAJECTORY_FIELDS, Timeouts, TrainConfig
 from trainer.storage.store import StorageError, open_storage
@@ -255,7 +255,7 @@ def launch_local(
         for replica in replicas:
             replica.stop()
     if code:
-        EventLog(run_dir, rank=-1).emit("run_end", status="failed", exit_code=code)
+        EventLog(run_dir, rank=-1).emit(RunEnd(status="failed", exit_code=code))
     return code
 
 
@@ -300,8 +300,7 @@ def _wait_with_progress(cfg: TrainConfig, replicas: list[_Replica], budget: int,
     """
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    events_path = Path(cfg.run_dir) / EVENTS_FILE
-    seen = events_path.stat().st_size if events_path.exists() else 0
+    tail = EventTail(Path(cfg.run_dir))
     total = cfg.stop_at_step or cfg.steps
     columns = [
         TextColumn("train"),
@@ -326,17 +325,11 @@ def _wait_with_progress(cfg: TrainConfig, replicas: list[_Replica], budget: int,
             time.sleep(0.1)  # node faults fire at the step they name: poll often
             if injector is not None:
                 injector.tick()
-            if events_path.exists() and events_path.stat().st_size > seen:
-                with open(events_path) as f:
-                    f.seek(seen)
-                    chunk = f.read()
-                complete = chunk[: chunk.rfind("\n") + 1]
-                seen += len(complete.encode())
-                for e in parse_event_lines(complete):
-                    if e["event"] == "step":
-                        tps = e.get("tokens", 0) / max(e["step_time_s"], 1e-9)
-                        bar.update(task, completed=e["step"], info=f"loss {e['loss']:.4f}  {tps:,.0f} tok/s  restarts {restarts}")
-                        if injector is not None:
-                            injector.observe(e["step"])
-                    elif e["event"] == "restart":
-                        restarts += 1
+            for e in tail.new():
+                if isinstance(e, Step):
+                    tps = e.tokens / max(e.step_time_s, 1e-9)
+                    bar.update(task, completed=e.step, info=f"loss {e.loss:.4f}  {tps:,.0f} tok/s  restarts {restarts}")
+                    if injector is not None:
+                        injector.observe(e.step)
+                elif isinstance(e, Restart):
+                    restarts += 1

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from trainer.checkpoint import Checkpointer, CheckpointWriter, SyncDcpWriter, load_tensors, published_checkpoints, rank_state_file
 from trainer.data.prepare import local_data
 from trainer.data.shards import TokenLoader, load_split
-from trainer.events import EventLog, describe_restart, read_events, recovery_layer
+from trainer.events import EventLog, RunEnd, RunStart, Step, describe_restart, read_events, recovery_layer
 from trainer.faults import FaultInjector
 from trainer.rank.config import Timeouts, TrainConfig, add_train_arguments
 from trainer.rank.resilience import AsyncCheckpointWriter, Attempt, RankMonitor, make_store, run_restartable
@@ -116,7 +116,7 @@ def train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror |
         mirror.restore(fingerprint=cfg.trajectory_hash(), world_size=rt.world_size)
     start = checkpointer.load_latest(state.load)
     if rt.rank == 0 and layer is None:  # (layer is only known on rank 0, which writes these events)
-        events.emit("run_start", config=cfg.to_dict(), resumed_from_step=start, world_size=rt.world_size)
+        events.emit(RunStart(config=cfg.to_dict(), resumed_from_step=start, world_size=rt.world_size))
 
     last = cfg.stop_at_step or cfg.steps
     tokens_per_step = cfg.batch_size * cfg.size.seq_len * rt.world_size
@@ -130,13 +130,13 @@ def train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror |
         step_time = time.perf_counter() - t0
         alive()
         if rt.rank == 0:
-            done = events.emit("step", step=step, loss=loss, step_time_s=step_time, tokens=tokens_per_step)
+            done = events.emit(Step(step=step, loss=loss, step_time_s=step_time, tokens=tokens_per_step))
             if layer and step == start + 1:
-                events.emit("restart", **describe_restart(prior, layer=layer, resumed_from=start, first_step_time=done["time"]))
+                events.emit(describe_restart(prior, layer=layer, resumed_from=start, first_step_time=done.time))
         checkpointer.step(step, partial(state.snapshot, step), last=step == last)
     monitor.stop()
     if rt.rank == 0:
-        events.emit("run_end", status="completed" if last == cfg.steps else "stopped", step=last)
+        events.emit(RunEnd(status="completed" if last == cfg.steps else "stopped", step=last))
     dist.destroy_process_group()
 
 

@@ -1,7 +1,7 @@
 """Compare the runs of an MLflow experiment: the logic behind ``notebooks/compare_experiments.ipynb``.
 
 Each run's ``events.jsonl`` is read back from MLflow's artifacts and summarized with
-:func:`trainer.results.tracking.summarize`, the same function that computed the logged summary metrics.
+:func:`trainer.events.summarize`, the same function that computed the logged summary metrics.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from trainer.results.tracking import DEFAULT_EXPERIMENT, checkpoint_table, logged_runs, summarize
+from trainer.events import Event, FaultFired, Restart, Step, select, summarize
+from trainer.results.tracking import DEFAULT_EXPERIMENT, checkpoint_table, logged_runs
 
 
 @dataclass
@@ -20,7 +21,7 @@ class RunRecord:
     run_id: str
     name: str
     params: dict[str, str]
-    events: list[dict]
+    events: list[Event]
     summary: dict[str, float | int | None]
     label: str = ""
     """Unique within a comparison: the run name, plus the run id's start where names repeat."""
@@ -31,7 +32,7 @@ class RunRecord:
     @property
     def start(self) -> float:
         """Unix time of the run's first event (the origin of its timeline)."""
-        return self.events[0]["time"]
+        return self.events[0].time
 
 
 def load_runs(experiment: str = DEFAULT_EXPERIMENT, tracking_uri: str | None = None) -> list[RunRecord]:
@@ -53,7 +54,7 @@ def load_runs(experiment: str = DEFAULT_EXPERIMENT, tracking_uri: str | None = N
 
 
 def comparison_table(runs: list[RunRecord]) -> pd.DataFrame:
-    """Side-by-side figures: one row per run (definitions in ``trainer.results.tracking.summarize``)."""
+    """Side-by-side figures: one row per run (definitions in ``trainer.events.summarize``)."""
     rows = []
     for r in runs:
         s = r.summary
@@ -96,17 +97,27 @@ def timeline(run: RunRecord) -> Timeline:
     """Step vs wall time of a run, with its faults, restarts and checkpoints."""
     t0 = run.start
 
-    def frame(kind: str, columns: list[str]) -> pd.DataFrame:
-        rows = [{"t": e["time"] - t0, **{c: e[c] for c in columns}} for e in run.events if e["event"] == kind]
-        return pd.DataFrame(rows, columns=["t", *columns])
+    def frame(rows: list[dict], columns: list[str]) -> pd.DataFrame:
+        return pd.DataFrame(rows, columns=columns)
 
-    ckpts = frame("checkpoint", ["step", "blocking_s", "total_s"])
+    steps = [{"t": e.time - t0, "step": e.step, "loss": e.loss} for e in select(run.events, Step)]
+    faults = [{"t": e.time - t0, "step": e.step, "kind": e.kind, "rank": e.rank} for e in select(run.events, FaultFired)]
+    restarts = [
+        {"t": e.time - t0, "layer": e.layer, "resumed_from_step": e.resumed_from_step, "recovery_s": e.recovery_s}
+        for e in select(run.events, Restart)
+    ]
+    ckpts = pd.DataFrame(checkpoint_table(run.events), columns=["time", "step", "blocking_s", "total_s"])
     return Timeline(
-        steps=frame("step", ["step", "loss"]),
-        faults=frame("fault", ["step", "kind", "rank"]),
-        restarts=frame("restart", ["layer", "resumed_from_step", "recovery_s"]),
+        steps=frame(steps, ["t", "step", "loss"]),
+        faults=frame(faults, ["t", "step", "kind", "rank"]),
+        restarts=frame(restarts, ["t", "layer", "resumed_from_step", "recovery_s"]),
         checkpoints=pd.DataFrame(
-            {"t_start": ckpts["t"] - ckpts["total_s"], "t_end": ckpts["t"], "step": ckpts["step"], "blocking_s": ckpts["blocking_s"]}
+            {
+                "t_start": ckpts["time"] - t0 - ckpts["total_s"],
+                "t_end": ckpts["time"] - t0,
+                "step": ckpts["step"],
+                "blocking_s": ckpts["blocking_s"],
+            }
         ),
     )
 
@@ -119,5 +130,5 @@ def checkpoint_blocking(runs: list[RunRecord]) -> pd.DataFrame:
 
 
 def goodput(runs: list[RunRecord]) -> pd.Series:
-    """Goodput per run (``trainer.results.tracking.summarize``'s definition)."""
+    """Goodput per run (``trainer.events.summarize``'s definition)."""
     return pd.Series({r.label: r.summary["goodput"] for r in runs}, name="goodput")

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from trainer.checkpoint import CHECKPOINTS, latest_checkpoint, published_checkpoints
-from trainer.events import final_losses, read_events
+from trainer.events import Checkpoint, FaultFired, Restart, final_losses, read_events, select
 
 
 def print_run_summary(run_dir: Path) -> None:
@@ -23,22 +23,22 @@ def print_run_summary(run_dir: Path) -> None:
         first, last = min(losses), max(losses)
         table.add_row("steps", f"{first}..{last}")
         table.add_row("loss first -> last", f"{losses[first]:.4f} -> {losses[last]:.4f}")
-    ckpts = [e for e in events if e["event"] == "checkpoint"]
-    for mode in sorted({e["mode"] for e in ckpts}):
-        blocking = sorted(e["blocking_s"] for e in ckpts if e["mode"] == mode)
+    ckpts = select(events, Checkpoint)
+    for mode in sorted({e.mode for e in ckpts}):
+        blocking = sorted(e.blocking_s for e in ckpts if e.mode == mode)
         table.add_row(f"checkpoints ({mode})", f"{len(blocking)}, median stall {blocking[len(blocking) // 2]:.3f} s")
     table.add_row("published", ", ".join(p.name for _, p in published_checkpoints(Path(run_dir) / CHECKPOINTS)) or "-")
     latest = latest_checkpoint(run_dir)
     table.add_row("latest", latest.name if latest else "-")
     console.print(table)
-    restarts = [e for e in events if e["event"] in ("fault", "restart")]
+    restarts = [e for e in events if isinstance(e, FaultFired | Restart)]
     if restarts:
         t = Table(title="faults and recoveries")
         for col in ("event", "kind / layer", "step / resumed", "lost steps", "recovery s"):
             t.add_column(col)
         for e in restarts:
-            if e["event"] == "fault":
-                t.add_row("fault", e["kind"], str(e["step"]), "", "")
+            if isinstance(e, FaultFired):
+                t.add_row("fault", e.kind, str(e.step), "", "")
             else:
-                t.add_row("restart", e["layer"], str(e["resumed_from_step"]), str(e["lost_steps"]), f"{e['recovery_s']:.2f}")
+                t.add_row("restart", e.layer, str(e.resumed_from_step), str(e.lost_steps), f"{e.recovery_s:.2f}")
         console.print(t)

@@ -1,8 +1,9 @@
 """MLflow tracking: one MLflow run per run directory, built from its ``events.jsonl``.
 
-This is the only module that talks to MLflow. :func:`summarize` (events -> summary dict) and the
-table builders are pure functions; :mod:`trainer.results.compare` reuses them on events it downloads back
-from MLflow, so the logged summary metrics and the comparison notebook can never disagree.
+This is the only module that talks to MLflow. The summary figures come from
+:func:`trainer.events.summarize` and the table builders here are pure functions;
+:mod:`trainer.results.compare` reuses both on events it downloads back from MLflow, so the logged
+summary metrics and the comparison notebook can never disagree.
 
 Where runs go (first match wins): the ``tracking_uri`` argument, ``MLFLOW_TRACKING_URI``, else a
 local store in the project: ``sqlite:///<project>/work/mlflow/mlflow.db`` with artifacts in
@@ -15,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import statistics
 import tempfile
 import time
 import urllib.error
@@ -25,7 +25,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
-from trainer.events import EVENTS_FILE, final_losses, read_events
+from trainer.events import (
+    EVENTS_FILE,
+    Checkpoint,
+    CheckpointFailed,
+    Event,
+    FaultFired,
+    Restart,
+    RunStart,
+    Step,
+    first_run_start_line,
+    read_events,
+    restarts_with_faults,
+    select,
+    session_finished,
+    summarize,
+)
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -40,7 +55,6 @@ VALIDATION_HASH_TAG = "rfsdp.validation_sha256"
 RESTARTS_TABLE = "restarts.json"
 CHECKPOINTS_TABLE = "checkpoints.json"
 VALIDATION_ARTIFACT = "validation.json"
-RESTART_LAYERS = ("in_process", "in_job")
 # Config fields that describe one invocation rather than the run (a resumed run may differ).
 _SESSION_FIELDS = ("stop_at_step",)
 _MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch call
@@ -53,131 +67,41 @@ class TrackingError(RuntimeError):
 # --------------------------------------------------------------------------- pure: events -> figures
 
 
-def sessions(events: list[dict]) -> list[list[dict]]:
-    """Split events into sessions: each starts at a ``run_start`` (a fresh start or a resume).
-
-    In-process and in-job restarts stay inside their session (they write no ``run_start``).
-    Events before the first ``run_start`` (none are written by the trainer) are dropped.
-    """
-    out: list[list[dict]] = []
-    for e in events:
-        if e["event"] == "run_start":
-            out.append([e])
-        elif out:
-            out[-1].append(e)
-    return out
-
-
-def final_steps(events: list[dict]) -> dict[int, dict]:
-    """The final trajectory: each step's last ``step`` line (re-executed steps log again)."""
-    return {e["step"]: e for e in events if e["event"] == "step"}
-
-
-def summarize(events: list[dict]) -> dict[str, float | int | None]:
-    """Summary figures of a run from its events (pure; ``None`` where a figure is undefined).
-
-    Definitions:
-        * ``wall_time_s``: summed over sessions, the time from a session's ``run_start`` to its
-          last event (gaps between a stopped run and its resume are not wall time of the job).
-        * ``useful_time_s``: the sum of ``step_time_s`` over the final trajectory, i.e. over each
-          step's *last* ``step`` line; steps lost to a fault and re-executed count once.
-        * ``goodput``: ``useful_time_s / wall_time_s``. It excludes startup, checkpoint stalls,
-          lost work and recovery, and also the small per-step bookkeeping outside the timed
-          step, so even a fault-free run stays a little below 1.
-        * ``ckpt_overhead``: the summed ``blocking_s`` of published checkpoints / ``wall_time_s``
-          (the share of wall time the training loop was stopped for checkpointing).
-        * ``restarts_<layer>``, ``recovery_s_mean|p50|max`` (fault to first completed step
-          after it) and ``lost_steps`` (summed) from the ``restart`` events.
-        * ``ckpt_write_mb_s_mean``: mean over checkpoints of ``bytes / total_s`` in MB/s
-          (from the start of a save until it was published).
-        * ``tokens_per_s``: tokens of the final trajectory / ``useful_time_s``.
-        * ``final_step`` / ``final_loss``: the last step of the final trajectory and its loss.
-
-    Args:
-        events: the run's events in file order (see ``trainer.events.read_events``).
-
-    Returns:
-        Figure name -> value.
-    """
-    steps = final_steps(events)
-    losses = final_losses(events)
-    restarts = [e for e in events if e["event"] == "restart"]
-    ckpts = [e for e in events if e["event"] == "checkpoint"]
-    recovery = [e["recovery_s"] for e in restarts]
-    blocking = [e["blocking_s"] for e in ckpts]
-    wall = sum(s[-1]["time"] - s[0]["time"] for s in sessions(events))
-    useful = sum(e["step_time_s"] for e in steps.values())
-    tokens = sum(e.get("tokens", 0) for e in steps.values())
-    last = max(steps, default=None)
-    summary: dict[str, float | int | None] = {
-        "steps_executed": sum(e["event"] == "step" for e in events),
-        "final_step": last,
-        "final_loss": losses[last] if last is not None else None,
-        "faults": sum(e["event"] == "fault" for e in events),
-        "restarts": len(restarts),
-        **{f"restarts_{layer}": sum(e["layer"] == layer for e in restarts) for layer in RESTART_LAYERS},
-        "recovery_s_mean": statistics.fmean(recovery) if recovery else None,
-        "recovery_s_p50": statistics.median(recovery) if recovery else None,
-        "recovery_s_max": max(recovery, default=None),
-        "lost_steps": sum(e["lost_steps"] for e in restarts),
-        "checkpoints": len(ckpts),
-        "checkpoints_failed": sum(e["event"] == "checkpoint_failed" for e in events),
-        "ckpt_blocking_s_total": sum(blocking),
-        "ckpt_blocking_s_mean": statistics.fmean(blocking) if blocking else None,
-        "ckpt_blocking_s_p50": statistics.median(blocking) if blocking else None,
-        "ckpt_blocking_s_max": max(blocking, default=None),
-        "ckpt_total_s_mean": statistics.fmean(e["total_s"] for e in ckpts) if ckpts else None,
-        "ckpt_write_mb_s_mean": statistics.fmean(_write_mb_s(e) for e in ckpts) if ckpts else None,
-        "wall_time_s": wall,
-        "useful_time_s": useful,
-        "goodput": useful / wall if wall > 0 else None,
-        "ckpt_overhead": sum(blocking) / wall if wall > 0 else None,
-        "tokens_per_s": tokens / useful if useful > 0 else None,
-    }
-    return summary
-
-
-def _write_mb_s(ckpt: dict) -> float:
-    return ckpt["bytes"] / ckpt["total_s"] / 1e6 if ckpt["total_s"] > 0 else 0.0
-
-
-def restart_table(events: list[dict]) -> dict[str, list]:
+def restart_table(events: list[Event]) -> dict[str, list]:
     """One row per ``restart`` event, with the ``fault`` that caused it (if one was injected).
 
     Returns:
         Column name -> values (the shape ``MlflowClient.log_table`` takes).
     """
-    restart_fields = ("time", "layer", "attempt", "resumed_from_step", "lost_steps", "recovery_s")
-    cols: dict[str, list] = {k: [] for k in (*restart_fields, "fault_kind", "fault_step", "fault_rank")}
-    fault = None
-    for e in events:
-        if e["event"] == "fault":
-            fault = e
-        elif e["event"] == "restart":
-            for k in restart_fields:
-                cols[k].append(e[k])
-            cols["fault_kind"].append(fault["kind"] if fault else None)
-            cols["fault_step"].append(fault["step"] if fault else None)
-            cols["fault_rank"].append(fault["rank"] if fault else None)
-            fault = None
-    return cols
-
-
-def checkpoint_table(events: list[dict]) -> dict[str, list]:
-    """One row per published checkpoint (``checkpoint`` event), with its write throughput."""
-    ckpts = [e for e in events if e["event"] == "checkpoint"]
+    pairs = restarts_with_faults(events)
     return {
-        "time": [e["time"] for e in ckpts],
-        "step": [e["step"] for e in ckpts],
-        "mode": [e["mode"] for e in ckpts],
-        "blocking_s": [e["blocking_s"] for e in ckpts],
-        "total_s": [e["total_s"] for e in ckpts],
-        "bytes": [e["bytes"] for e in ckpts],
-        "write_mb_s": [_write_mb_s(e) for e in ckpts],
+        "time": [r.time for r, _ in pairs],
+        "layer": [r.layer for r, _ in pairs],
+        "attempt": [r.attempt for r, _ in pairs],
+        "resumed_from_step": [r.resumed_from_step for r, _ in pairs],
+        "lost_steps": [r.lost_steps for r, _ in pairs],
+        "recovery_s": [r.recovery_s for r, _ in pairs],
+        "fault_kind": [f.kind if f else None for _, f in pairs],
+        "fault_step": [f.step if f else None for _, f in pairs],
+        "fault_rank": [f.rank if f else None for _, f in pairs],
     }
 
 
-def metric_points(events: list[dict]) -> list[tuple[str, float, int, int]]:
+def checkpoint_table(events: list[Event]) -> dict[str, list]:
+    """One row per published checkpoint (``checkpoint`` event), with its write throughput."""
+    ckpts = select(events, Checkpoint)
+    return {
+        "time": [c.time for c in ckpts],
+        "step": [c.step for c in ckpts],
+        "mode": [c.mode for c in ckpts],
+        "blocking_s": [c.blocking_s for c in ckpts],
+        "total_s": [c.total_s for c in ckpts],
+        "bytes": [c.bytes for c in ckpts],
+        "write_mb_s": [c.write_mb_s for c in ckpts],
+    }
+
+
+def metric_points(events: list[Event]) -> list[tuple[str, float, int, int]]:
     """Every metric point of a run as ``(key, value, timestamp_ms, step)``, deterministic.
 
     Timestamps are the events' own times, so logging the same events twice yields identical
@@ -189,32 +113,30 @@ def metric_points(events: list[dict]) -> list[tuple[str, float, int, int]]:
     points: list[tuple[str, float, int, int]] = []
     n_faults = 0
     for e in events:
-        ts = int(e["time"] * 1000)
-        kind = e["event"]
-        if kind == "step":
-            points += [("loss", e["loss"], ts, e["step"]), ("step_time_s", e["step_time_s"], ts, e["step"])]
-            if e["step_time_s"] > 0 and "tokens" in e:
-                points.append(("tokens_per_s", e["tokens"] / e["step_time_s"], ts, e["step"]))
-        elif kind == "checkpoint":
-            for key, value in (("blocking_s", e["blocking_s"]), ("total_s", e["total_s"]), ("bytes", e["bytes"])):
-                points.append((f"ckpt_{key}", value, ts, e["step"]))
-            points.append(("ckpt_write_mb_s", _write_mb_s(e), ts, e["step"]))
-        elif kind == "checkpoint_failed":
-            points.append(("ckpt_failed_step", e["step"], ts, e["step"]))
-        elif kind == "fault":
+        ts = int(e.time * 1000)
+        if isinstance(e, Step):
+            points += [("loss", e.loss, ts, e.step), ("step_time_s", e.step_time_s, ts, e.step)]
+            if e.step_time_s > 0 and e.tokens:
+                points.append(("tokens_per_s", e.tokens / e.step_time_s, ts, e.step))
+        elif isinstance(e, Checkpoint):
+            for key, value in (("blocking_s", e.blocking_s), ("total_s", e.total_s), ("bytes", e.bytes), ("write_mb_s", e.write_mb_s)):
+                points.append((f"ckpt_{key}", value, ts, e.step))
+        elif isinstance(e, CheckpointFailed):
+            points.append(("ckpt_failed_step", e.step, ts, e.step))
+        elif isinstance(e, FaultFired):
             n_faults += 1
-            points.append(("fault_step", e["step"], ts, n_faults))
-        elif kind == "restart":
-            for key in ("recovery_s", "lost_steps", "resumed_from_step"):
-                points.append((f"restart_{key}", e[key], ts, e["attempt"]))
-            points.append((f"restart_{e['layer']}_recovery_s", e["recovery_s"], ts, e["attempt"]))
+            points.append(("fault_step", e.step, ts, n_faults))
+        elif isinstance(e, Restart):
+            for key, value in (("recovery_s", e.recovery_s), ("lost_steps", e.lost_steps), ("resumed_from_step", e.resumed_from_step)):
+                points.append((f"restart_{key}", value, ts, e.attempt))
+            points.append((f"restart_{e.layer}_recovery_s", e.recovery_s, ts, e.attempt))
     if events:
-        end = int(events[-1]["time"] * 1000)
+        end = int(events[-1].time * 1000)
         points += [(k, float(v), end, 0) for k, v in summarize(events).items() if v is not None]
     return points
 
 
-def run_params(events: list[dict], tags: dict[str, str] | None = None) -> dict[str, str]:
+def run_params(events: list[Event], tags: dict[str, str] | None = None) -> dict[str, str]:
     """MLflow params: the first session's training config, fault schedule, backend, world size.
 
     Args:
@@ -222,12 +144,12 @@ def run_params(events: list[dict], tags: dict[str, str] | None = None) -> dict[s
         tags: the pass-through tags; ``backend`` there names the job backend (the pipeline's
             ``local`` or ``kubernetes``); ``rfsdp train`` alone runs locally.
     """
-    start = next(e for e in events if e["event"] == "run_start")
-    config = {k: v for k, v in start["config"].items() if k not in _SESSION_FIELDS}
+    start = select(events, RunStart)[0]
+    config = {k: v for k, v in start.config.items() if k not in _SESSION_FIELDS}
     return {
         **{k: str(v) for k, v in config.items()},
         "fault": config.get("fault") or "none",
-        "world_size": str(start.get("world_size", config.get("world_size"))),
+        "world_size": str(start.world_size),
         "backend": (tags or {}).get("backend", "local"),
     }
 
@@ -295,7 +217,7 @@ class LoggedRun:
     run_id: str
     name: str
     params: dict[str, str]
-    events: list[dict]
+    events: list[Event]
 
 
 def logged_runs(experiment: str = DEFAULT_EXPERIMENT, tracking_uri: str | None = None) -> list[LoggedRun]:
@@ -331,14 +253,9 @@ def _sha256(data: bytes) -> str:
 
 def run_key(events_path: Path) -> str:
     """Identity of a run directory: a hash of its first ``run_start`` line (stable if moved)."""
-    with open(events_path, "rb") as f:
-        for line in f:
-            if b'"run_start"' in line:
-                try:
-                    if json.loads(line)["event"] == "run_start":
-                        return hashlib.sha256(line).hexdigest()[:32]
-                except json.JSONDecodeError:
-                    continue
+    line = first_run_start_line(events_path)
+    if line is not None:
+        return hashlib.sha256(line).hexdigest()[:32]
     raise ValueError(f"--run-dir: {events_path} has no run_start event: nothing to log")
 
 
@@ -409,7 +326,7 @@ def log_run(
 def _log(
     run_dir: Path,
     events_path: Path,
-    events: list[dict],
+    events: list[Event],
     uri: str,
     experiment: str,
     key: str,
@@ -438,7 +355,7 @@ def _log(
             return run.info.run_id
         run_id = run.info.run_id
     else:
-        run_id = client.create_run(experiment_id, start_time=int(events[0]["time"] * 1000), run_name=run_dir.name).info.run_id
+        run_id = client.create_run(experiment_id, start_time=int(events[0].time * 1000), run_name=run_dir.name).info.run_id
 
     params = run_params(events, tags)
     # Params are immutable in MLflow: only the ones not logged yet (a re-log writes the same).
@@ -456,9 +373,8 @@ def _log(
     client.log_artifact(run_id, str(events_path))
     if validation is not None:
         client.log_dict(run_id, validation, VALIDATION_ARTIFACT)
-    ends = [e for e in sessions(events)[-1] if e["event"] == "run_end"]  # how the latest session ended
-    finished = bool(ends) and ends[-1]["status"] in ("completed", "stopped")
-    client.set_terminated(run_id, "FINISHED" if finished else "FAILED", end_time=int(events[-1]["time"] * 1000))
+    finished = session_finished(events)
+    client.set_terminated(run_id, "FINISHED" if finished else "FAILED", end_time=int(events[-1].time * 1000))
     # Last: only a complete logging marks the run as up to date.
     client.log_batch(run_id, tags=[RunTag(k, v) for k, v in hashes.items()])
     return run_id

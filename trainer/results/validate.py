@@ -54,7 +54,7 @@ from trainer.checkpoint import (
 )
 from trainer.data.prepare import local_data
 from trainer.data.shards import DataError, TokenLoader, load_manifest, load_split, verify_shards
-from trainer.events import final_losses, read_events
+from trainer.events import RunStart, final_losses, read_events, select
 from trainer.launch.local import RUN_CONFIG, LaunchSpec, launch_local
 from trainer.rank.config import TrainConfig
 from trainer.rank.model import Transformer
@@ -254,8 +254,8 @@ def _run_config(run_dir: Path, data: Path | None) -> TrainConfig:
     """The run's training config: its last ``run_start`` event's, with ``config.json``'s
     trajectory fields on top (the ones a resume must match), this run dir and ``data``.
     """
-    starts = [e for e in read_events(run_dir) if e["event"] == "run_start"]
-    recorded = dict(starts[-1]["config"]) if starts else {}
+    starts = select(read_events(run_dir), RunStart)
+    recorded = dict(starts[-1].config) if starts else {}
     if (run_dir / RUN_CONFIG).is_file():
         try:
             recorded.update(json.loads((run_dir / RUN_CONFIG).read_text()))

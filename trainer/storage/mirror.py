@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from trainer.checkpoint import CHECKPOINTS, LATEST, MANIFEST, CheckpointError, verify_checkpoint
-from trainer.events import EVENTS_FILE, EventLog
+from trainer.events import EVENTS_FILE, EventLog, Mirror, MirrorFailed, MirrorRestore, RunWarning
 from trainer.fsutil import atomic_write_text
 from trainer.storage.store import RUN_FILES, Storage, StorageError, download_checkpoint, open_storage, remote_checkpoints, remote_latest
 
@@ -82,7 +82,7 @@ class CheckpointMirror:
             self._cv.notify_all()
         if wait:
             error = f"the run ended before the upload finished (waited {timeout:g} s)"
-            self.events.emit("mirror_failed", step=self._current, attempt=None, error=error, retry_in_s=None)
+            self.events.emit(MirrorFailed(step=self._current, attempt=None, error=error, retry_in_s=None))
         return False
 
     def restore(self, *, fingerprint: str, world_size: int) -> int | None:
@@ -110,13 +110,13 @@ class CheckpointMirror:
                 manifest = verify_checkpoint(tmp, fingerprint=fingerprint, world_size=world_size)
             except (StorageError, CheckpointError) as e:
                 shutil.rmtree(tmp, ignore_errors=True)
-                self.events.emit("warning", kind="checkpoint_skipped", step=step, reason=f"remote {self.store.url(name)}: {e}")
+                self.events.emit(RunWarning(kind="checkpoint_skipped", step=step, reason=f"remote {self.store.url(name)}: {e}"))
                 continue
             tmp.rename(root / name)
             atomic_write_text(root / LATEST, name + "\n")
             nbytes = sum(f["size"] for f in manifest["files"].values())
             self.events.emit(
-                "mirror_restore", step=step, uri=self.store.url(f"{CHECKPOINTS}/{name}"), bytes=nbytes, download_s=time.perf_counter() - t0
+                MirrorRestore(step=step, uri=self.store.url(f"{CHECKPOINTS}/{name}"), bytes=nbytes, download_s=time.perf_counter() - t0)
             )
             return step
         return None
@@ -139,7 +139,7 @@ class CheckpointMirror:
         try:
             self._upload_run_files()
         except (StorageError, OSError) as e:
-            self.events.emit("mirror_failed", step=None, attempt=1, error=str(e), retry_in_s=None)
+            self.events.emit(MirrorFailed(step=None, attempt=1, error=str(e), retry_in_s=None))
 
     def _mirror_with_retries(self, checkpoint: Path) -> None:
         """Upload until it succeeds; give up only when the local copy is gone (local retention
@@ -155,15 +155,17 @@ class CheckpointMirror:
                 nbytes = self._upload(checkpoint)
             except (StorageError, OSError, CheckpointError) as e:
                 give_up = self._stop or not checkpoint.is_dir()
-                self.events.emit("mirror_failed", step=step, attempt=attempt, error=str(e), retry_in_s=None if give_up else delay)
+                self.events.emit(MirrorFailed(step=step, attempt=attempt, error=str(e), retry_in_s=None if give_up else delay))
                 with self._cv:
                     if give_up or self._cv.wait_for(lambda: self._stop, timeout=delay):
                         return
                 delay = min(2 * delay, self.backoff[1])
                 continue
             self.events.emit(
-                "mirror", step=step, uri=self.store.url(f"{CHECKPOINTS}/{checkpoint.name}"), bytes=nbytes,
-                upload_s=time.perf_counter() - t0, attempts=attempt,
+                Mirror(
+                    step=step, uri=self.store.url(f"{CHECKPOINTS}/{checkpoint.name}"), bytes=nbytes,
+                    upload_s=time.perf_counter() - t0, attempts=attempt,
+                )
             )  # fmt: skip
             return
 
