@@ -59,7 +59,8 @@ CASES = [{}, {"nnodes": 2, "nproc_per_node": 1}, {"nnodes": 4, "nproc_per_node":
 
 
 def webhook_violations(job: dict) -> list[str]:
-    """The training operator's admission rules (field notes), checked independently of trainer.launch.k8s."""
+    """The training operator's admission webhook rules (kubeflow/training-operator v1.9,
+    pkg/webhooks/pytorch), checked independently of trainer.launch.k8s."""
     out = []
     name = job["metadata"]["name"]
     if not DNS_1035.match(name) or len(name) > 63:

@@ -75,7 +75,7 @@ def worker_command(cfg: TrainConfig, ft_launcher: str = "ft_launcher") -> list[s
 
 def operator_env(spec: LaunchSpec, *, rdzv_endpoint: str, job_id: str) -> dict[str, str]:
     """The rendezvous environment the training operator injects into every Worker pod of a
-    PyTorchJob with an ``elasticPolicy`` (see the field notes' PyTorchJob contract).
+    PyTorchJob with an ``elasticPolicy`` (docs/cluster.md, "Run on a Kubeflow cluster").
     """
     return {
         "PYTHONUNBUFFERED": "1",
