@@ -44,7 +44,8 @@ from bench.common import (
 from trainer.checkpoint import Checkpointer, SyncDcpWriter
 from trainer.data.shards import TokenLoader, load_split
 from trainer.events import EventLog
-from trainer.rank.model import ModelSize, parameter_count
+from trainer.rank.config import ModelSize
+from trainer.rank.model import parameter_count
 from trainer.rank.resilience import AsyncCheckpointWriter, RankMonitor
 from trainer.rank.runtime import build_fsdp_model, detect_runtime, init_process_group
 from trainer.rank.train import TrainState, train_step

@@ -21,8 +21,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from trainer.data.shards import BUILTIN_CORPUS, builtin_corpus_text, load_manifest, prepare_tokens
-from trainer.launch.local import LaunchSpec, free_port, launch_local
+from trainer.data import BUILTIN_CORPUS
+from trainer.data.shards import builtin_corpus_text, load_manifest, prepare_tokens
+from trainer.launch.local import free_port, launch_local
+from trainer.launch.spec import LaunchSpec
 from trainer.rank.config import TrainConfig
 
 DEFAULT_WORK = Path("work/bench")

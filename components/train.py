@@ -67,6 +67,7 @@ def train(
     from pathlib import Path
 
     from trainer.checkpoint import latest_checkpoint
+    from trainer.errors import as_pipeline_parameters
     from trainer.events import read_events, summarize
     from trainer.launch.local import BACKENDS, check_run_dir, job_from_parameters, launch_local
 
@@ -76,23 +77,24 @@ def train(
     signal.signal(signal.SIGTERM, cancelled)
     if backend not in BACKENDS:
         raise ValueError(f"backend: {backend!r} is not one of {', '.join(BACKENDS)}")
-    if backend == "local":
-        cfg, spec = job_from_parameters(params, data=data.path, run_dir=run.path)
-        code = launch_local(cfg, spec, progress=False)
-        if code:
-            for log in sorted((Path(run.path) / "logs").glob("*.log")):
-                print(f"--- {log.name} (last lines)\n" + "\n".join(log.read_text(errors="replace").splitlines()[-30:]))
-            raise RuntimeError(f"training failed: the local job exited with code {code} (logs above, all of them in {run.path}/logs)")
-    else:
-        from trainer.launch.k8s import build_pytorchjob, cluster_options, run_pytorchjob, shared_paths
+    with as_pipeline_parameters():  # a refusal names the pipeline parameter (ckpt_every), not the flag
+        if backend == "local":
+            cfg, spec = job_from_parameters(params, data=data.path, run_dir=run.path)
+            code = launch_local(cfg, spec, progress=False)
+            if code:
+                for log in sorted((Path(run.path) / "logs").glob("*.log")):
+                    print(f"--- {log.name} (last lines)\n" + "\n".join(log.read_text(errors="replace").splitlines()[-30:]))
+                raise RuntimeError(f"training failed: the local job exited with code {code} (logs above, all of them in {run.path}/logs)")
+        else:
+            from trainer.launch.k8s import build_pytorchjob, cluster_options, run_pytorchjob, shared_paths
 
-        shared_data, shared_run = shared_paths(run_name)
-        cfg, spec = job_from_parameters(params, data=shared_data, run_dir=shared_run)
-        job = build_pytorchjob(cfg, spec, cluster_options(params))
-        check_run_dir(cfg)  # a rerun under the same run_name must be the same training config
-        shutil.copytree(data.path, shared_data, dirs_exist_ok=True)
-        run_pytorchjob(job)
-        shutil.copytree(shared_run, run.path, dirs_exist_ok=True)
+            shared_data, shared_run = shared_paths(run_name)
+            cfg, spec = job_from_parameters(params, data=shared_data, run_dir=shared_run)
+            job = build_pytorchjob(cfg, spec, cluster_options(params))
+            check_run_dir(cfg)  # a rerun under the same run_name must be the same training config
+            shutil.copytree(data.path, shared_data, dirs_exist_ok=True)
+            run_pytorchjob(job)
+            shutil.copytree(shared_run, run.path, dirs_exist_ok=True)
 
     summary = summarize(read_events(Path(run.path)))
     latest = latest_checkpoint(Path(run.path))

@@ -27,9 +27,15 @@ from components.log_to_mlflow import log_to_mlflow
 from components.prepare_data import prepare_data
 from components.train import train
 from components.validate_checkpoint import validate_checkpoint
+from trainer.data import BUILTIN_CORPUS
 from trainer.launch import CREDENTIAL_SECRETS, WORKSPACE_MOUNT
+from trainer.launch.spec import LaunchSpec
+from trainer.rank.config import config_defaults
+from trainer.results.tracking import DEFAULT_EXPERIMENT
 
 PIPELINE_NAME = "resilient-fsdp-training"
+TRAIN = config_defaults()  # the pipeline's defaults are the config's and the launch spec's own
+LAUNCH = LaunchSpec()
 
 
 class Outputs(NamedTuple):
@@ -46,17 +52,17 @@ class Outputs(NamedTuple):
     description="Resilient FSDP training: NVRx async checkpoints, in-process and in-job restart; validated checkpoint, MLflow run.",
 )
 def resilient_fsdp_training(
-    steps: int = 60,
-    ckpt_every: int = 10,
-    ckpt_mode: str = "async",
-    nnodes: int = 1,
-    nproc_per_node: int = 2,
-    max_restarts: int = 3,
-    inprocess_restart: bool = True,
-    fault: str = "",
-    model: str = "tiny",
-    seed: int = 0,
-    hang_timeout: float = 10.0,
+    steps: int = TRAIN["steps"],
+    ckpt_every: int = TRAIN["ckpt_every"],
+    ckpt_mode: str = TRAIN["ckpt_mode"],
+    nnodes: int = LAUNCH.nnodes,
+    nproc_per_node: int = LAUNCH.nproc_per_node,
+    max_restarts: int = LAUNCH.max_restarts,
+    inprocess_restart: bool = TRAIN["inprocess_restart"],
+    fault: str = TRAIN["fault"],
+    model: str = TRAIN["model"],
+    seed: int = TRAIN["seed"],
+    hang_timeout: float = TRAIN["hang_timeout"],
     backend: str = "local",
     run_name: str = "rfsdp-run",
     image: str = IMAGE,
@@ -64,11 +70,11 @@ def resilient_fsdp_training(
     gpus: bool = False,
     cpu: str = "4",
     memory: str = "16Gi",
-    source: str = "builtin:python-docs",
+    source: str = BUILTIN_CORPUS,
     pvc_name: str = "rfsdp-workspace",
-    checkpoint_uri: str = "",
+    checkpoint_uri: str = TRAIN["checkpoint_uri"],
     tracking_uri: str = "",
-    experiment: str = "resilient-fsdp",
+    experiment: str = DEFAULT_EXPERIMENT,
 ) -> Outputs:
     """Train a transformer with FSDP that survives faults, validate its checkpoint, log it to MLflow.
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.data.shards import BUILTIN_CORPUS, builtin_corpus_text, prepare_tokens
+from trainer.data import BUILTIN_CORPUS
+from trainer.data.shards import builtin_corpus_text, prepare_tokens
 from trainer.events import final_losses, read_events
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,7 +15,6 @@ import torch.distributed as dist
 
 from trainer.checkpoint import (
     CHECKPOINTS,
-    SAVE_PHASES,
     Checkpointer,
     CheckpointWriteError,
     SaveHooks,
@@ -25,7 +24,7 @@ from trainer.checkpoint import (
     verify_checkpoint,
     write_rank_checksums,
 )
-from trainer.events import Checkpoint, CheckpointFailed, EventLog, RunWarning, read_events, select
+from trainer.events import SAVE_PHASES, Checkpoint, CheckpointFailed, EventLog, RunWarning, read_events, select
 
 
 @pytest.fixture(scope="module")

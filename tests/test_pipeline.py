@@ -26,6 +26,7 @@ from kfp.pipeline_spec import pipeline_spec_pb2
 from components.train import train
 from pipelines.resilient_fsdp import PIPELINE_NAME, compile_pipeline, parameter_defaults, submit
 from trainer.cli import main
+from trainer.errors import ParameterError
 from trainer.events import Restart, read_events, select
 from trainer.launch import CREDENTIAL_SECRETS, WORKSPACE_MOUNT
 
@@ -84,8 +85,8 @@ def test_kubernetes_platform_config_parses_strictly(compiled: list[dict]) -> Non
         ("model=huge", "model: unknown model 'huge'"),
         ("fault=boom@3", "fault: unknown kind 'boom'"),
         ("fault=sigkill@5:7", "fault: rank 7"),
-        ("ckpt_every=0", "ckpt_every must be positive"),
-        ("nproc_per_node=0", "nproc_per_node must be at least 1"),
+        ("ckpt_every=0", "ckpt_every: must be positive"),
+        ("nproc_per_node=0", "nproc_per_node: must be at least 1"),
         ("run_name=Bad_Name", "run_name: 'Bad_Name' is not a DNS-1035 label"),
         ("backend=slurm", "backend: 'slurm' is not one of local, kubernetes"),
         ("memory=lots", "memory: 'lots' is not a Kubernetes quantity"),
@@ -242,7 +243,7 @@ def test_submit_uploads_then_versions_and_starts_runs(tmp_path: Path) -> None:
 
 
 def test_submit_refuses_bad_parameters_before_contacting_the_server() -> None:
-    with pytest.raises(ValueError, match="nnodes must be at least 1"):
+    with pytest.raises(ParameterError, match="^nnodes: must be at least 1"):  # named as the pipeline parameter
         submit("http://127.0.0.1:9", {"nnodes": 0})  # port 9 (discard): any request would fail differently
 
 

@@ -22,8 +22,8 @@ import torch
 
 from tests.conftest import ROOT, losses, train
 from tests.test_training import assert_same_tensors
-from trainer.checkpoint import CHECKPOINTS, SAVE_PHASES, latest_checkpoint, read_full_state, step_dir_name, verify_checkpoint
-from trainer.events import Checkpoint, CheckpointFailed, FaultFired, Restart, RunEnd, Step, read_events
+from trainer.checkpoint import CHECKPOINTS, latest_checkpoint, read_full_state, step_dir_name, verify_checkpoint
+from trainer.events import SAVE_PHASES, Checkpoint, CheckpointFailed, FaultFired, Restart, RunEnd, Step, read_events
 
 pytestmark = pytest.mark.slow  # real multi-process jobs
 

@@ -11,7 +11,8 @@ import pytest
 from trainer.data.shards import DataError, TokenLoader, decode, encode, load_manifest, load_split, prepare_tokens, verify_shards
 from trainer.events import EventLog, FaultFired, Restart, RunEnd, RunStart, Step, describe_restart, final_losses, parse_event_lines
 from trainer.faults import parse_fault_spec
-from trainer.launch.local import STORE_PORT_SPAN, LaunchSpec, check_launch, free_port_base
+from trainer.launch.local import STORE_PORT_SPAN, check_launch, free_port_base
+from trainer.launch.spec import LaunchSpec
 from trainer.rank.config import Timeouts, TrainConfig
 from trainer.rank.train import lr_at
 
@@ -65,7 +66,7 @@ def test_config_round_trips_through_argv() -> None:
     original = cfg(fault="exception@3:1", inprocess_restart=False, ckpt_mode="sync")
     parser = argparse.ArgumentParser()
     add_train_arguments(parser)
-    assert TrainConfig.from_namespace(parser.parse_args(original.to_argv())) == original
+    assert TrainConfig.from_mapping(vars(parser.parse_args(original.to_argv()))) == original
 
 
 def test_lr_schedule_warms_up_then_decays() -> None:

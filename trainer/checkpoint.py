@@ -66,10 +66,6 @@ def write_rank_checksums(directory: Path, rank: int) -> None:
     atomic_write_text(directory / f"checksums_rank{rank}.json", json.dumps(record))
 
 
-SAVE_PHASES = ("stage", "plan", "write", "finalize")
-"""The points a save passes, in order (``SaveHooks.on_phase``; faults can fire at each)."""
-
-
 def _no_phase_hook(phase: str) -> None:
     """Default ``on_phase``: nothing happens at a phase."""
 

@@ -12,8 +12,11 @@ import tempfile
 import threading
 from pathlib import Path
 
+from trainer.data import BUILTIN_CORPUS
 from trainer.data.prepare import DEFAULT_SHARD_TOKENS
+from trainer.launch.spec import LaunchSpec
 from trainer.rank.config import TrainConfig, add_train_arguments
+from trainer.results.tracking import DEFAULT_EXPERIMENT
 
 
 def _prepare_data(args: argparse.Namespace) -> int:
@@ -26,11 +29,11 @@ def _prepare_data(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from trainer.launch.local import LaunchSpec, launch_local
+    from trainer.launch.local import launch_local
 
     spec = LaunchSpec(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts)
     args.world_size = spec.world_size
-    cfg = TrainConfig.from_namespace(args)
+    cfg = TrainConfig.from_mapping(vars(args))
     if args.netns:  # each replica on its own network-namespace host, torn down afterwards
         from trainer.emulation.netns import LocalCluster
 
@@ -163,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prepare-data", help="tokenize a corpus into checksummed shards")
     p.add_argument(
-        "--source", default="builtin:python-docs", help="corpus file, dir or s3:// prefix (default: the Python docs that ship with Python)"
+        "--source", default=BUILTIN_CORPUS, help="corpus file, dir or s3:// prefix (default: the Python docs that ship with Python)"
     )
     p.add_argument("--out", required=True, help="output directory or s3://bucket/prefix for shards + manifest.json")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
@@ -171,9 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="run resilient FSDP training locally (ft_launcher per replica)")
     add_train_arguments(p, include_world=False)
-    p.add_argument("--nnodes", type=int, default=1, help="replicas (nodes)")
-    p.add_argument("--nproc-per-node", type=int, default=2, help="worker processes per replica")
-    p.add_argument("--max-restarts", type=int, default=3, help="in-job restarts ft_launcher may do")
+    launch = LaunchSpec()
+    p.add_argument("--nnodes", type=int, default=launch.nnodes, help="replicas (nodes)")
+    p.add_argument("--nproc-per-node", type=int, default=launch.nproc_per_node, help="worker processes per replica")
+    p.add_argument("--max-restarts", type=int, default=launch.max_restarts, help="in-job restarts ft_launcher may do")
     p.add_argument("--netns", action="store_true", help="each replica on its own network-namespace host (root; replicas restart like pods)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_train)
@@ -191,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("log-mlflow", help="log a run dir to MLflow (one run per run dir, idempotent); prints the run id")
     p.add_argument("--run-dir", required=True, help="run directory with events.jsonl (or an s3:// --checkpoint-uri)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else sqlite in work/mlflow/)")
-    p.add_argument("--experiment", default="resilient-fsdp", help="MLflow experiment name")
+    p.add_argument("--experiment", default=DEFAULT_EXPERIMENT, help="MLflow experiment name")
     p.add_argument("--validation", help="JSON file with the `rfsdp validate` verdict, logged as an artifact")
     p.add_argument("--tag", action="append", default=[], help="extra run tag KEY=VALUE (repeatable)")
     p.add_argument("--retries", type=int, default=5, help="attempts to reach a tracking server (exponential backoff from 1 s)")

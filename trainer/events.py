@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 EVENTS_FILE = "events.jsonl"
+SAVE_PHASES = ("stage", "plan", "write", "finalize")
+"""The phases of a checkpoint save, in order: a ``fault`` event's ``phase`` is one of them."""
 RESTART_LAYERS = ("in_process", "in_job")
 
 

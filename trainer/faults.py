@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from trainer.checkpoint import SAVE_PHASES
-from trainer.events import EventLog, FaultFired
+from trainer.errors import ParameterError
+from trainer.events import SAVE_PHASES, EventLog, FaultFired
 
 RANK_KINDS = ("exception", "sigkill", "hang", "exit")
 NODE_KINDS = ("node-loss", "partition")
@@ -77,35 +77,35 @@ def parse_fault_spec(spec: str, *, steps: int, world_size: int, nnodes: int | No
     node count) only ``NODE < world_size`` is checked, and the launcher checks the rest.
 
     Raises:
-        ValueError: naming ``--fault`` and the offending item.
+        ParameterError: naming ``fault`` and the offending item.
     """
     faults: list[Fault | NodeFault] = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         m = _SPEC.match(item)
         if not m:
-            raise ValueError(f"--fault: {item!r} is not KIND@STEP[/PHASE][:RANK] or node-loss@STEP:NODE or partition@STEP:NODE:SECONDS")
+            raise ParameterError("fault", f"{item!r} is not KIND@STEP[/PHASE][:RANK] or node-loss@STEP:NODE or partition@STEP:NODE:SECONDS")
         kind, step, target, phase = m["kind"], int(m["step"]), int(m["rank"] or 0), m["phase"] or ""
         if kind not in RANK_KINDS + NODE_KINDS:
-            raise ValueError(f"--fault: unknown kind {kind!r} in {item!r} (known: {', '.join(RANK_KINDS + NODE_KINDS)})")
+            raise ParameterError("fault", f"unknown kind {kind!r} in {item!r} (known: {', '.join(RANK_KINDS + NODE_KINDS)})")
         if not 1 <= step <= steps:
-            raise ValueError(f"--fault: step {step} in {item!r} is outside the run (1..{steps})")
+            raise ParameterError("fault", f"step {step} in {item!r} is outside the run (1..{steps})")
         if phase and (kind not in RANK_KINDS or phase not in SAVE_PHASES):
-            raise ValueError(f"--fault: {item!r}: /PHASE is one of {', '.join(SAVE_PHASES)}, for {', '.join(RANK_KINDS)}")
+            raise ParameterError("fault", f"{item!r}: /PHASE is one of {', '.join(SAVE_PHASES)}, for {', '.join(RANK_KINDS)}")
         if kind in RANK_KINDS:
             if m["seconds"] is not None:
-                raise ValueError(f"--fault: {item!r}: only partition takes SECONDS")
+                raise ParameterError("fault", f"{item!r}: only partition takes SECONDS")
             if target >= world_size:
-                raise ValueError(f"--fault: rank {target} in {item!r} is outside the world (size {world_size})")
+                raise ParameterError("fault", f"rank {target} in {item!r} is outside the world (size {world_size})")
             faults.append(Fault(kind, step, target, phase))
             continue
         seconds = float(m["seconds"] or 0)
         if kind == "partition" and not seconds > 0:
-            raise ValueError(f"--fault: {item!r} needs the partition's length: partition@STEP:NODE:SECONDS")
+            raise ParameterError("fault", f"{item!r} needs the partition's length: partition@STEP:NODE:SECONDS")
         if kind == "node-loss" and m["seconds"] is not None:
-            raise ValueError(f"--fault: {item!r}: node-loss takes no SECONDS (node-loss@STEP:NODE)")
+            raise ParameterError("fault", f"{item!r}: node-loss takes no SECONDS (node-loss@STEP:NODE)")
         bound, what = (nnodes, "nodes") if nnodes is not None else (world_size, "world size")
         if target >= bound:
-            raise ValueError(f"--fault: node {target} in {item!r} is outside the job ({what} {bound})")
+            raise ParameterError("fault", f"node {target} in {item!r} is outside the job ({what} {bound})")
         faults.append(NodeFault(kind, step, target, seconds))
     return faults
 

@@ -12,7 +12,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from trainer.data.shards import BUILTIN_CORPUS, MANIFEST, builtin_corpus_text, prepare_tokens, verify_shards
+from trainer.data import BUILTIN_CORPUS
+from trainer.data.shards import MANIFEST, builtin_corpus_text, prepare_tokens, verify_shards
 from trainer.storage.store import StorageError, check_key, is_remote, open_storage, read_corpus, upload_tree
 
 DEFAULT_SHARD_TOKENS = 1 << 20

@@ -21,7 +21,6 @@ from trainer.fsutil import atomic_write_text, file_sha256
 MANIFEST = "manifest.json"
 TOKENIZER = "bytes-utf8"
 TOKEN_DTYPE = "uint16"  # room for a larger vocabulary than bytes without a format change
-BUILTIN_CORPUS = "builtin:python-docs"
 
 
 class DataError(ValueError):

@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass
 from types import FrameType
 
+from trainer.errors import ParameterError
+
 SUBNET = "198.18.0"
 """Host ``i`` gets ``198.18.0.(i+1)/24``."""
 RDZV_PORT = 29400
@@ -126,7 +128,7 @@ class LocalCluster:
 
     def __init__(self, nnodes: int) -> None:
         if nnodes < 1:
-            raise ValueError(f"--nnodes must be at least 1, got {nnodes}")
+            raise ParameterError("nnodes", f"must be at least 1, got {nnodes}")
         tag = f"{_PREFIX}{os.getpid()}"
         self.switch = f"{tag}-sw"
         self.hosts = [Host(i, f"{tag}-h{i}", f"{SUBNET}.{i + 1}") for i in range(nnodes)]

@@ -26,7 +26,8 @@ from kubernetes import client as k8s
 
 from trainer.faults import NodeFault
 from trainer.launch import CREDENTIAL_SECRETS, WORKSPACE_MOUNT
-from trainer.launch.local import DEFAULT_RDZV_PORT, LaunchSpec, worker_command
+from trainer.launch.local import DEFAULT_RDZV_PORT, worker_command
+from trainer.launch.spec import LaunchSpec
 from trainer.rank.config import TrainConfig
 
 API_VERSION = "kubeflow.org/v1"

@@ -11,24 +11,23 @@ node faults are fired.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
-import re
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
 
 from trainer.data.prepare import local_data
 from trainer.data.shards import DataError, load_manifest, verify_shards
+from trainer.errors import ParameterError, as_pipeline_parameters
 from trainer.events import EventLog, EventTail, Restart, RunEnd, Step
 from trainer.faults import NodeControl, NodeFault, NodeFaultInjector, parse_fault_spec
+from trainer.launch.spec import LaunchSpec
 from trainer.rank.config import TRAJECTORY_FIELDS, Timeouts, TrainConfig
 from trainer.storage.store import StorageError, open_storage
 
@@ -36,27 +35,6 @@ RUN_CONFIG = "config.json"
 DEFAULT_RDZV_PORT = 29400
 BACKENDS = ("local", "kubernetes")
 """Where the train step runs the worker command: local processes or a PyTorchJob."""
-
-
-@dataclass(frozen=True, slots=True)
-class LaunchSpec:
-    """How many replicas (nodes) and processes, and the in-job restart budget."""
-
-    nnodes: int = 1
-    nproc_per_node: int = 2
-    max_restarts: int = 3
-
-    def __post_init__(self) -> None:
-        for name in ("nnodes", "nproc_per_node"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.max_restarts < 0:
-            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-
-    @property
-    def world_size(self) -> int:
-        """Total ranks."""
-        return self.nnodes * self.nproc_per_node
 
 
 def worker_command(cfg: TrainConfig, ft_launcher: str = "ft_launcher") -> list[str]:
@@ -93,41 +71,38 @@ def job_from_parameters(params: Mapping[str, Any], *, data: str, run_dir: str) -
     snake_case (the pipeline's parameters); extra entries are ignored.
 
     Raises:
-        ValueError: a bad value, naming the parameter as it was given (``ckpt_every``, not ``--ckpt-every``).
+        ParameterError: a bad value, naming the parameter as it was given (``ckpt_every``, not ``--ckpt-every``).
     """
-    try:
+    with as_pipeline_parameters():
         spec = LaunchSpec(nnodes=params["nnodes"], nproc_per_node=params["nproc_per_node"], max_restarts=params["max_restarts"])
-        ns = argparse.Namespace(**{**params, "data": data, "run_dir": run_dir, "world_size": spec.world_size})
-        return TrainConfig.from_namespace(ns), spec
-    except ValueError as e:
-        raise ValueError(re.sub(r"--([a-z][a-z-]*)", lambda m: m.group(1).replace("-", "_"), str(e))) from None
+        return TrainConfig.from_mapping({**params, "data": data, "run_dir": run_dir, "world_size": spec.world_size}), spec
 
 
 def check_launch(cfg: TrainConfig, spec: LaunchSpec, *, verify_data: bool = True) -> None:
     """Everything that can be refused before a process starts; raises ValueError naming it."""
     if cfg.world_size != spec.world_size:
-        raise ValueError(f"--world-size {cfg.world_size} does not match nnodes x nproc-per-node = {spec.world_size}")
+        raise ParameterError("world_size", f"{cfg.world_size} does not match nnodes x nproc_per_node = {spec.world_size}")
     parse_fault_spec(cfg.fault, steps=cfg.steps, world_size=cfg.world_size, nnodes=spec.nnodes)  # NODE < nnodes
     import torch
 
     gpus = torch.cuda.device_count()
     if gpus and spec.nproc_per_node > gpus:
-        raise ValueError(f"--nproc-per-node {spec.nproc_per_node} does not fit this machine ({gpus} GPUs)")
+        raise ParameterError("nproc_per_node", f"{spec.nproc_per_node} does not fit this machine ({gpus} GPUs)")
     cpus = os.cpu_count() or 1
     if spec.nproc_per_node > max(cpus, 2):
-        raise ValueError(f"--nproc-per-node {spec.nproc_per_node} does not fit this machine ({cpus} CPUs)")
+        raise ParameterError("nproc_per_node", f"{spec.nproc_per_node} does not fit this machine ({cpus} CPUs)")
     try:
         data = local_data(cfg.data, Path(cfg.run_dir))  # an s3:// data set is fetched (verified) into the run dir's cache
         manifest = load_manifest(data)
         if verify_data:
             verify_shards(data, manifest)
     except (DataError, StorageError) as e:
-        raise ValueError(f"--data: {e}") from e
+        raise ParameterError("data", str(e)) from e
     if cfg.checkpoint_uri:
         try:
             open_storage(cfg.checkpoint_uri).check()
         except StorageError as e:
-            raise ValueError(f"--checkpoint-uri: {e}") from e
+            raise ParameterError("checkpoint_uri", str(e)) from e
     check_run_dir(cfg)
 
 
@@ -140,7 +115,7 @@ def check_run_dir(cfg: TrainConfig) -> None:
     differ = [k for k in TRAJECTORY_FIELDS if saved.get(k) != getattr(cfg, k)]
     if differ:
         detail = ", ".join(f"{k}: {saved.get(k)!r} there, {getattr(cfg, k)!r} now" for k in differ)
-        raise ValueError(f"--run-dir {cfg.run_dir} belongs to another training config ({detail})")
+        raise ParameterError("run_dir", f"{cfg.run_dir} belongs to another training config ({detail})")
 
 
 def free_port() -> int:
@@ -228,7 +203,7 @@ def launch_local(
     placement = placement or SameHost()
     node_faults = [f for f in cfg.faults if isinstance(f, NodeFault)]
     if node_faults and not isinstance(placement, NodeControl):
-        raise ValueError(f"--fault: {node_faults[0].kind} needs every replica on its own host (--netns)")
+        raise ParameterError("fault", f"{node_faults[0].kind} needs every replica on its own host (--netns)")
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if not (run_dir / RUN_CONFIG).exists():

@@ -6,12 +6,34 @@ import argparse
 import dataclasses
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
+from trainer.errors import ParameterError
 from trainer.faults import Fault, parse_fault_spec
-from trainer.rank.model import MODEL_SIZES, ModelSize
 
 CKPT_MODES = ("async", "sync")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSize:
+    """Shape of one named model size."""
+
+    dim: int
+    layers: int
+    heads: int
+    seq_len: int
+    vocab_size: int = 256  # the byte-level tokenizer's vocabulary
+
+
+MODEL_SIZES: dict[str, ModelSize] = {
+    "tiny": ModelSize(dim=64, layers=2, heads=4, seq_len=64),  # ~0.1M params: tests
+    "small": ModelSize(dim=256, layers=4, heads=8, seq_len=128),  # ~3M: demo
+    "base": ModelSize(dim=768, layers=12, heads=12, seq_len=256),  # ~85M
+    "large": ModelSize(dim=1024, layers=24, heads=16, seq_len=512),  # ~300M
+    "1b": ModelSize(dim=2048, layers=18, heads=16, seq_len=1024),  # ~0.9B: GPUs
+}
 
 # Fields that define the training trajectory: resuming a run dir requires them to match.
 TRAJECTORY_FIELDS = (
@@ -29,7 +51,7 @@ class TrainConfig:
     run_dir: str
     """Run directory: events, checkpoints, fault markers."""
     model: str = "tiny"
-    """Named model size (see ``trainer.rank.model.MODEL_SIZES``)."""
+    """Named model size (see ``MODEL_SIZES``)."""
     steps: int = 60
     """Total optimizer steps of the run (sets the LR schedule)."""
     stop_at_step: int = 0
@@ -72,24 +94,30 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.model not in MODEL_SIZES:
-            raise ValueError(f"--model: unknown model {self.model!r} (known: {', '.join(MODEL_SIZES)})")
+            raise ParameterError("model", f"unknown model {self.model!r} (known: {', '.join(MODEL_SIZES)})")
         if self.max_inprocess_restarts < 0:
-            raise ValueError(f"--max-inprocess-restarts must be at least 0, got {self.max_inprocess_restarts}")
+            raise ParameterError("max_inprocess_restarts", f"must be at least 0, got {self.max_inprocess_restarts}")
         for name in ("steps", "ckpt_every", "keep_last", "batch_size", "world_size"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+                raise ParameterError(name, f"must be positive, got {getattr(self, name)}")
         if not 0 <= self.stop_at_step <= self.steps:
-            raise ValueError(f"--stop-at-step must be in 0..{self.steps}, got {self.stop_at_step}")
+            raise ParameterError("stop_at_step", f"must be in 0..{self.steps}, got {self.stop_at_step}")
         if self.ckpt_mode not in CKPT_MODES:
-            raise ValueError(f"--ckpt-mode must be one of {CKPT_MODES}, got {self.ckpt_mode!r}")
-        if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1 and self.warmup_steps >= 0 and self.grad_clip > 0):
-            raise ValueError("--lr, --warmup-steps, --min-lr-ratio and --grad-clip must be in range")
+            raise ParameterError("ckpt_mode", f"must be one of {', '.join(CKPT_MODES)}, got {self.ckpt_mode!r}")
+        for name, ok in (
+            ("lr", self.lr > 0),
+            ("warmup_steps", self.warmup_steps >= 0),
+            ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1),
+            ("grad_clip", self.grad_clip > 0),
+        ):
+            if not ok:
+                raise ParameterError(name, f"out of range: {getattr(self, name)}")
         if self.hang_timeout < 5:
-            raise ValueError(f"--hang-timeout must be at least 5 s, got {self.hang_timeout}")
+            raise ParameterError("hang_timeout", f"must be at least 5 s, got {self.hang_timeout}")
         self.faults = parse_fault_spec(self.fault, steps=self.steps, world_size=self.world_size)
         for f in self.faults:
             if isinstance(f, Fault) and f.phase and (self.ckpt_mode != "async" or not self.saves_at(f.step)):
-                raise ValueError(f"--fault: {f.key} fires inside a save, but step {f.step} has no async save (every {self.ckpt_every})")
+                raise ParameterError("fault", f"{f.key} fires inside a save, but step {f.step} has no async save (every {self.ckpt_every})")
 
     def saves_at(self, step: int) -> bool:
         """True when the run checkpoints at ``step`` (every ``ckpt_every`` steps and its last)."""
@@ -121,10 +149,17 @@ class TrainConfig:
         return argv
 
     @classmethod
-    def from_namespace(cls, ns: argparse.Namespace) -> TrainConfig:
-        """Build from parsed arguments (extra namespace entries are ignored)."""
+    def from_mapping(cls, values: Mapping[str, Any]) -> TrainConfig:
+        """Build from named values: parsed flags (``vars(args)``) or pipeline parameters; entries
+        that are not config fields, and ``None`` (a flag not given), are ignored.
+        """
         names = {f.name for f in dataclasses.fields(cls)} - {"faults"}
-        return cls(**{k: v for k, v in vars(ns).items() if k in names and v is not None})
+        return cls(**{k: v for k, v in values.items() if k in names and v is not None})
+
+
+def config_defaults() -> dict[str, Any]:
+    """Every config field's default (the one definition the CLI and the pipeline signature use)."""
+    return {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING}
 
 
 def add_train_arguments(parser: argparse.ArgumentParser, *, include_world: bool = True) -> None:

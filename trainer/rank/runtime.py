@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from trainer.rank.model import ModelSize, Transformer
+from trainer.rank.config import ModelSize
+from trainer.rank.model import Transformer
 
 
 @dataclass(frozen=True, slots=True)

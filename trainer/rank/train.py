@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     """Parse the config and train, inside the in-process restart wrapper when enabled."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_arguments(parser)
-    cfg = TrainConfig.from_namespace(parser.parse_args(argv))
+    cfg = TrainConfig.from_mapping(vars(parser.parse_args(argv)))
     cuda = torch.cuda.is_available()
     # One writer per process: its background worker survives in-process restarts.
     writer = AsyncCheckpointWriter(cuda=cuda) if cfg.ckpt_mode == "async" else SyncDcpWriter()

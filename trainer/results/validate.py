@@ -55,7 +55,8 @@ from trainer.checkpoint import (
 from trainer.data.prepare import local_data
 from trainer.data.shards import DataError, TokenLoader, load_manifest, load_split, verify_shards
 from trainer.events import RunStart, final_losses, read_events, select
-from trainer.launch.local import RUN_CONFIG, LaunchSpec, launch_local
+from trainer.launch.local import RUN_CONFIG, launch_local
+from trainer.launch.spec import LaunchSpec
 from trainer.rank.config import TrainConfig
 from trainer.rank.model import Transformer
 from trainer.rank.runtime import seed_everything
