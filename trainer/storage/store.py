@@ -22,7 +22,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -211,8 +210,8 @@ class S3Storage:
     Args:
         uri: ``s3://bucket[/prefix]``.
         part_size: objects larger than this are uploaded as a multipart upload with parts of
-            this size (at least 5 MiB); a failed multipart upload is aborted, so nothing partial
-            becomes visible.
+            this size (at least 5 MiB), by boto3's managed transfer (parts in parallel; a failed
+            multipart upload is aborted, so nothing partial becomes visible).
     """
 
     def __init__(self, uri: str, *, part_size: int = PART_SIZE) -> None:
@@ -243,11 +242,17 @@ class S3Storage:
     @contextmanager
     def _errors(self, key: str) -> Iterator[None]:
         """Translate boto errors into one StorageError line naming the URI (never a secret)."""
+        from boto3.exceptions import S3UploadFailedError
         from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError, NoCredentialsError
 
         url = self.url(key)
         try:
-            yield
+            try:
+                yield
+            except S3UploadFailedError as e:  # the managed transfer wraps the client error it met
+                if isinstance(e.__context__, ClientError | BotoCoreError):
+                    raise e.__context__ from None
+                raise StorageError(f"{url}: S3 upload failed ({e})") from None
         except ClientError as e:
             code = str(e.response.get("Error", {}).get("Code", ""))
             if code == "NoSuchBucket":
@@ -302,32 +307,14 @@ class S3Storage:
 
     def upload(self, local: Path, key: str, *, sha256: str | None = None) -> ObjectInfo:
         """Upload a file (multipart above ``part_size``) with its SHA-256 in the metadata."""
+        from boto3.s3.transfer import TransferConfig
+
         local = Path(local)
         digest = _verified_local_sha256(local, sha256, self.url(key))
-        size = local.stat().st_size
-        target = {"Bucket": self.bucket, "Key": self._key(key)}
-        with self._errors(key), open(local, "rb") as f:
-            if size <= self.part_size:
-                self.client.put_object(**target, Body=f, Metadata={SHA256_META: digest})
-            else:
-                self._multipart(target, f, digest)
-        return ObjectInfo(size, digest)
-
-    def _multipart(self, target: dict, f: IO[bytes], digest: str) -> None:
-        upload_id = self.client.create_multipart_upload(**target, Metadata={SHA256_META: digest})["UploadId"]
-        try:
-            parts = []
-            while chunk := f.read(self.part_size):
-                number = len(parts) + 1
-                etag = self.client.upload_part(**target, UploadId=upload_id, PartNumber=number, Body=chunk)["ETag"]
-                parts.append({"PartNumber": number, "ETag": etag})
-            self.client.complete_multipart_upload(**target, UploadId=upload_id, MultipartUpload={"Parts": parts})
-        except BaseException:
-            # An unfinished multipart upload is invisible; aborting frees its parts (the endpoint may
-            # be the thing that failed, so the abort may fail too).
-            with contextlib.suppress(Exception):
-                self.client.abort_multipart_upload(**target, UploadId=upload_id)
-            raise
+        transfer = TransferConfig(multipart_threshold=self.part_size, multipart_chunksize=self.part_size)
+        with self._errors(key):
+            self.client.upload_file(str(local), self.bucket, self._key(key), ExtraArgs={"Metadata": {SHA256_META: digest}}, Config=transfer)
+        return ObjectInfo(local.stat().st_size, digest)
 
     def download(self, key: str, local: Path, *, sha256: str | None = None) -> None:
         """Stream ``key`` into a temporary file, verify it, then rename it to ``local``."""
