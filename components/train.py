@@ -69,7 +69,7 @@ def train(
     from trainer.checkpoint import latest_checkpoint
     from trainer.errors import as_pipeline_parameters
     from trainer.events import read_events, summarize
-    from trainer.launch.local import BACKENDS, check_run_dir, job_from_parameters, launch_local
+    from trainer.launch.local import BACKENDS, check_run_dir, hold_run_dir, job_from_parameters, launch_local
 
     def cancelled(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # KFP cancels a step with SIGTERM: stop the processes / delete the job
@@ -92,8 +92,9 @@ def train(
             cfg, spec = job_from_parameters(params, data=shared_data, run_dir=shared_run)
             job = build_pytorchjob(cfg, spec, cluster_options(params))
             check_run_dir(cfg)  # a rerun under the same run_name must be the same training config
-            shutil.copytree(data.path, shared_data, dirs_exist_ok=True)
-            run_pytorchjob(job)
+            with hold_run_dir(Path(shared_run)):  # a second run under this run_name is refused while this one lives
+                shutil.copytree(data.path, shared_data, dirs_exist_ok=True)
+                run_pytorchjob(job)
             shutil.copytree(shared_run, run.path, dirs_exist_ok=True)
 
     summary = summarize(read_events(Path(run.path)))

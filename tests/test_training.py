@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import losses, rfsdp, train
+from tests.conftest import ROOT, losses, rfsdp, train
 from trainer.checkpoint import CHECKPOINTS, latest_checkpoint, read_full_state, verify_checkpoint
-from trainer.events import Checkpoint, RunEnd, RunStart, RunWarning, read_events, select
+from trainer.events import Checkpoint, RunEnd, RunStart, RunWarning, Step, read_events, select
 
 pytestmark = pytest.mark.slow  # real multi-process jobs
 
@@ -79,3 +82,25 @@ def test_another_config_is_refused_and_nothing_is_touched(data_dir: Path, baseli
     proc = rfsdp("train", "--quiet", "--data", str(data_dir), "--run-dir", str(run), "--steps", "60", "--seed", "7")
     assert proc.returncode == 2 and "another training config" in proc.stderr and "seed" in proc.stderr
     assert sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*")) == before
+
+
+def test_a_second_job_on_a_live_run_dir_is_refused_and_the_first_finishes_exact(data_dir: Path, baseline_60: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trainer.cli", "train", "--quiet", "--data", str(data_dir), "--run-dir", str(run), "--steps", "60"]
+    first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        while not select(read_events(run), Step):  # the first job is training
+            assert first.poll() is None, first.stderr.read()
+            time.sleep(0.2)
+        second = rfsdp(*cmd[3:], timeout=120)
+        assert first.poll() is None, "the first job ended before the second was refused: nothing was tested"
+        assert second.returncode == 2 and "Traceback" not in second.stderr
+        assert f"--run-dir: {run} is in use by a live job (pid {first.pid} on " in second.stderr
+        assert first.wait(timeout=300) == 0, first.stderr.read()
+    finally:
+        if first.poll() is None:
+            first.kill()
+    events = read_events(run)
+    assert len(select(events, RunStart)) == 1 and not select(events, RunWarning)  # the second job wrote nothing
+    assert not list(run.rglob("*.invalid"))
+    assert losses(run) == losses(baseline_60)

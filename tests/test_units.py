@@ -207,3 +207,18 @@ def test_store_port_block_is_free_and_outside_the_ephemeral_range() -> None:
         s.bind(("127.0.0.1", base))
     with socket.socket() as s:
         s.bind(("127.0.0.1", base + STORE_PORT_SPAN - 1))
+
+
+def test_run_dir_lock_refuses_a_second_holder_and_takes_over_a_stale_one(tmp_path: Path) -> None:
+    import os
+
+    from trainer.errors import ParameterError
+    from trainer.launch.local import RUN_DIR_LOCK, hold_run_dir
+
+    run = tmp_path / "run"
+    busy = rf"^--run-dir: {run} is in use by a live job \(pid {os.getpid()} on "
+    with hold_run_dir(run), pytest.raises(ParameterError, match=busy), hold_run_dir(run):
+        pass
+    (run / RUN_DIR_LOCK).write_text("pid 1 on a-host-that-died since yesterday\n")  # a holder that died: nothing holds the lock
+    with hold_run_dir(run):
+        assert f"pid {os.getpid()} on " in (run / RUN_DIR_LOCK).read_text()

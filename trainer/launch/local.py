@@ -11,6 +11,8 @@ node faults are fired.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import random
@@ -18,7 +20,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, Protocol
 
@@ -118,6 +120,38 @@ def check_run_dir(cfg: TrainConfig) -> None:
         raise ParameterError("run_dir", f"{cfg.run_dir} belongs to another training config ({detail})")
 
 
+RUN_DIR_LOCK = ".lock"
+
+
+@contextlib.contextmanager
+def hold_run_dir(run_dir: Path) -> Iterator[int]:
+    """Hold ``run_dir`` for one job; yields the lock's file descriptor.
+
+    The lock is the kernel's (``flock``): a second job on a live run dir is refused at once, naming
+    the holder, before it writes anything; a holder that died released it, so a stale lock is simply
+    taken over. Pass the descriptor to the replicas so that the lock lives as long as any of them.
+
+    Raises:
+        ParameterError: naming ``run_dir`` and the job that holds it.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / RUN_DIR_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "a process that has not said who it is"
+            raise ParameterError(
+                "run_dir", f"{run_dir} is in use by a live job ({holder}); wait for it to end or use another run dir"
+            ) from None
+        since = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {since}\n".encode(), 0)
+        yield fd
+    finally:
+        os.close(fd)
+
+
 def free_port() -> int:
     """A TCP port free on loopback right now."""
     with socket.socket() as s:
@@ -205,47 +239,49 @@ def launch_local(
     if node_faults and not isinstance(placement, NodeControl):
         raise ParameterError("fault", f"{node_faults[0].kind} needs every replica on its own host (--netns)")
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not (run_dir / RUN_CONFIG).exists():
-        (run_dir / RUN_CONFIG).write_text(json.dumps({k: getattr(cfg, k) for k in TRAJECTORY_FIELDS}, indent=2))
-    log_dir = Path(log_dir or run_dir / "logs")
-    log_dir.mkdir(parents=True, exist_ok=True)
-    env = {
-        **os.environ,
-        **operator_env(spec, rdzv_endpoint=placement.rdzv_endpoint(), job_id=f"rfsdp-{os.getpid()}"),
-        "RFSDP_PORT_BASE": str(free_port_base()),
-    }
-    argv = worker_command(cfg, str(Path(sys.executable).parent / "ft_launcher"))
-    replicas = [
-        _Replica(placement.replica_command(n, argv), {**env, **placement.replica_env(n)}, log_dir / f"replica_{n}.log")
-        for n in range(spec.nnodes)
-    ]
-    budget = spec.max_restarts if placement.restart_on_failure else 0
-    injector = NodeFaultInjector(node_faults, run_dir, placement) if node_faults else None
-    try:
-        for replica in replicas:
-            replica.start()
-        code = _wait_with_progress(cfg, replicas, budget, injector, show=progress)
-    finally:
-        for replica in replicas:
-            replica.stop()
-    if code:
-        EventLog(run_dir, rank=-1).emit(RunEnd(status="failed", exit_code=code))
-    return code
+    with hold_run_dir(run_dir) as lock_fd:  # held by the replicas too: the run dir is theirs while any of them lives
+        if not (run_dir / RUN_CONFIG).exists():
+            (run_dir / RUN_CONFIG).write_text(json.dumps({k: getattr(cfg, k) for k in TRAJECTORY_FIELDS}, indent=2))
+        log_dir = Path(log_dir or run_dir / "logs")
+        log_dir.mkdir(parents=True, exist_ok=True)
+        env = {
+            **os.environ,
+            **operator_env(spec, rdzv_endpoint=placement.rdzv_endpoint(), job_id=f"rfsdp-{os.getpid()}"),
+            "RFSDP_PORT_BASE": str(free_port_base()),
+        }
+        argv = worker_command(cfg, str(Path(sys.executable).parent / "ft_launcher"))
+        replicas = [
+            _Replica(placement.replica_command(n, argv), {**env, **placement.replica_env(n)}, log_dir / f"replica_{n}.log", keep_fd=lock_fd)
+            for n in range(spec.nnodes)
+        ]
+        budget = spec.max_restarts if placement.restart_on_failure else 0
+        injector = NodeFaultInjector(node_faults, run_dir, placement) if node_faults else None
+        try:
+            for replica in replicas:
+                replica.start()
+            code = _wait_with_progress(cfg, replicas, budget, injector, show=progress)
+        finally:
+            for replica in replicas:
+                replica.stop()
+        if code:
+            EventLog(run_dir, rank=-1).emit(RunEnd(status="failed", exit_code=code))
+        return code
 
 
 class _Replica:
     """One replica's launcher process, (re)startable like a pod's container."""
 
-    def __init__(self, command: list[str], env: dict[str, str], log_path: Path) -> None:
-        self.command, self.env, self.log_path = command, env, log_path
+    def __init__(self, command: list[str], env: dict[str, str], log_path: Path, *, keep_fd: int) -> None:
+        self.command, self.env, self.log_path, self.keep_fd = command, env, log_path, keep_fd
         self.proc: subprocess.Popen | None = None
         self._log: IO[bytes] | None = None
 
     def start(self) -> None:
         """Start (or restart) the launcher; its output is appended to the replica's log."""
         self._log = self._log or open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(self.command, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.command, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(self.keep_fd,)
+        )
 
     def poll(self) -> int | None:
         """The launcher's exit code, None while it runs."""
