@@ -23,7 +23,7 @@ import torch
 from tests.conftest import ROOT, losses, train
 from tests.test_training import assert_same_tensors
 from trainer.checkpoint import CHECKPOINTS, latest_checkpoint, read_full_state, step_dir_name, verify_checkpoint
-from trainer.events import SAVE_PHASES, Checkpoint, CheckpointFailed, FaultFired, Restart, RunEnd, Step, read_events
+from trainer.events import SAVE_PHASES, Checkpoint, CheckpointFailed, FaultFired, Restart, RunEnd, RunStart, Step, read_events
 
 pytestmark = pytest.mark.slow  # real multi-process jobs
 
@@ -62,9 +62,9 @@ def test_a_recurring_soft_fault_is_handed_to_in_job_restart(data_dir: Path, base
     assert losses(run) == losses(baseline_60)
 
 
-def test_sigterm_stops_the_whole_job(data_dir: Path, tmp_path: Path) -> None:
-    """A scheduler stops `rfsdp train` with SIGTERM: its replica launchers (own sessions) and their
-    workers stop with it, none is orphaned."""
+def test_sigterm_preempts_the_whole_job_gracefully(data_dir: Path, tmp_path: Path) -> None:
+    """A scheduler stops `rfsdp train` with SIGTERM: every rank finishes its step, the step reached
+    is checkpointed, the run ends `preempted`, the command exits 0, and no process is left."""
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "trainer.cli", "train", "--quiet", "--data", str(data_dir), "--run-dir", str(run), "--steps", "1000"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -74,8 +74,28 @@ def test_sigterm_stops_the_whole_job(data_dir: Path, tmp_path: Path) -> None:
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and "stopped" in err
+    (end,) = [e for e in read_events(run) if isinstance(e, RunEnd)]
+    assert proc.returncode == 0 and f"preempted at step {end.step}" in err, err
+    assert end.status == "preempted" and end.step < 1000
+    assert latest_checkpoint(run).name == step_dir_name(end.step)  # the step reached, off the checkpoint interval or not
+    verify_checkpoint(latest_checkpoint(run))
     assert not subprocess.run(["pgrep", "-f", f"--run-dir {run}"], capture_output=True, text=True).stdout.split()
+
+
+def test_a_preempted_rank_stops_every_rank_and_the_run_resumes_exactly(data_dir: Path, baseline_60: Path, tmp_path: Path) -> None:
+    """`sigterm@20:1` preempts rank 1's container (SIGTERM to its ft_launcher, which forwards it):
+    the ranks agree on a step, checkpoint it and exit 0; the same command resumes, which is a
+    resume (`run_start`), not a fault recovery, and the trajectory is the uninterrupted one."""
+    run = tmp_path / "run"
+    train(data_dir, run, "--steps", "60", "--fault", "sigterm@20:1")
+    end = [e for e in read_events(run) if isinstance(e, RunEnd)][-1]
+    assert end.status == "preempted" and 20 <= end.step < 60
+    assert latest_checkpoint(run).name == step_dir_name(end.step)
+    train(data_dir, run, "--steps", "60", "--fault", "sigterm@20:1")
+    events = read_events(run)
+    assert [e.resumed_from_step for e in events if isinstance(e, RunStart)] == [0, end.step]
+    assert not restarts(run) and [e.status for e in events if isinstance(e, RunEnd)] == ["preempted", "completed"]
+    assert losses(run) == losses(baseline_60)
 
 
 def test_exception_without_inprocess_falls_to_in_job(data_dir: Path, baseline_60: Path, tmp_path: Path) -> None:

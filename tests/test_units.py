@@ -38,6 +38,7 @@ def cfg(**kw) -> TrainConfig:
         ({"fault": "exception@7/write"}, "--fault: exception@7/write:0 fires inside a save, but step 7 has no async save"),
         ({"fault": "exception@10/write", "ckpt_mode": "sync"}, "step 10 has no async save"),
         ({"fault": "node-loss@10/write:1"}, "--fault"),
+        ({"grace_period": 1.0}, "--grace-period: must be at least 5 s"),
     ],
 )
 def test_bad_config_names_the_parameter(kw: dict, names: str) -> None:
@@ -46,11 +47,12 @@ def test_bad_config_names_the_parameter(kw: dict, names: str) -> None:
 
 
 def test_fault_spec_grammar() -> None:
-    faults = parse_fault_spec("exception@5:1, sigkill@9,hang@12:0,exit@20:1,exception@10/finalize:1", steps=30, world_size=2)
+    faults = parse_fault_spec("exception@5:1, sigkill@9,hang@12:0,exit@20:1,exception@10/finalize:1,sigterm@25:1", steps=30, world_size=2)
     assert [(f.kind, f.step, f.rank, f.phase) for f in faults] == [
         ("exception", 5, 1, ""), ("sigkill", 9, 0, ""), ("hang", 12, 0, ""), ("exit", 20, 1, ""), ("exception", 10, 1, "finalize"),
+        ("sigterm", 25, 1, ""),
     ]  # fmt: skip
-    assert faults[-1].key == "exception@10/finalize:1"
+    assert faults[4].key == "exception@10/finalize:1"
 
 
 def test_timeouts_keep_their_order() -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from trainer.data import BUILTIN_CORPUS
 from trainer.data.prepare import DEFAULT_SHARD_TOKENS
+from trainer.events import latest_end, read_events
 from trainer.launch.spec import LaunchSpec
 from trainer.rank.config import TrainConfig, add_train_arguments
 from trainer.results.tracking import DEFAULT_EXPERIMENT
@@ -34,13 +35,20 @@ def _train(args: argparse.Namespace) -> int:
     spec = LaunchSpec(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts)
     args.world_size = spec.world_size
     cfg = TrainConfig.from_mapping(vars(args))
-    if args.netns:  # each replica on its own network-namespace host, torn down afterwards
-        from trainer.emulation.netns import LocalCluster
+    try:
+        if args.netns:  # each replica on its own network-namespace host, torn down afterwards
+            from trainer.emulation.netns import LocalCluster
 
-        with LocalCluster(spec.nnodes) as cluster:
-            code = launch_local(cfg, spec, progress=not args.quiet, placement=cluster)
-    else:
-        code = launch_local(cfg, spec, progress=not args.quiet)
+            with LocalCluster(spec.nnodes) as cluster:
+                code = launch_local(cfg, spec, progress=not args.quiet, placement=cluster)
+        else:
+            code = launch_local(cfg, spec, progress=not args.quiet)
+    except Terminated:  # preempted: a clean end if every rank checkpointed the step it reached
+        end = latest_end(read_events(Path(cfg.run_dir)))
+        if end is None or end.status != "preempted":
+            raise
+        print(f"rfsdp train: preempted at step {end.step}, checkpointed: the same command resumes it", file=sys.stderr)
+        code = 0
     if code:
         print(f"rfsdp train: the job failed (exit code {code}); logs in {Path(cfg.run_dir) / 'logs'}", file=sys.stderr)
         return 1
@@ -228,8 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+class Terminated(KeyboardInterrupt):
+    """SIGTERM: a scheduler's stop (eviction, preemption)."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated(f"signal {signum}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if threading.current_thread() is threading.main_thread():
         # A scheduler stops us with SIGTERM: unwind like Ctrl-C, so that what we started (replica
-        # launchers run in their own sessions) is stopped instead of orphaned.
-        signal.signal(signal.SIGTERM, _interrupt)
+        # launchers run in their own sessions) is stopped, gracefully, instead of orphaned.
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.func(args)
     except ValueError as e:  # bad input: one clear line, no traceback

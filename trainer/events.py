@@ -174,8 +174,9 @@ class Restart(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class RunEnd(Event):
-    """The end of a session: ``completed`` or ``stopped`` (``--stop-at-step``) by rank 0, or
-    ``failed`` with ``exit_code`` by the launcher (``rank`` -1) when restarts ran out.
+    """The end of a session: ``completed``, ``stopped`` (``--stop-at-step``) or ``preempted``
+    (SIGTERM: the step reached is checkpointed) by rank 0, or ``failed`` with ``exit_code`` by
+    the launcher (``rank`` -1) when restarts ran out.
     """
 
     KIND: ClassVar[str] = "run_end"
@@ -312,11 +313,19 @@ def sessions(events: Iterable[Event]) -> list[list[Event]]:
     return out
 
 
-def session_finished(events: list[Event]) -> bool:
-    """Whether the latest session ended well (``run_end`` completed or stopped)."""
+def latest_end(events: list[Event]) -> RunEnd | None:
+    """How the latest session ended (None: it has not, or it died without a word)."""
     runs = sessions(events)
     ends = select(runs[-1], RunEnd) if runs else []
-    return bool(ends) and ends[-1].status in ("completed", "stopped")
+    return ends[-1] if ends else None
+
+
+def session_finished(events: list[Event]) -> bool:
+    """Whether the latest session ended well: completed, stopped at ``--stop-at-step``, or
+    preempted with its checkpoint published.
+    """
+    end = latest_end(events)
+    return end is not None and end.status in ("completed", "stopped", "preempted")
 
 
 def recovery_layer(prior: list[Event], *, in_process_iteration: int, in_job_restart: int) -> str | None:

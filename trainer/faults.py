@@ -2,7 +2,7 @@
 
 A rank fault fires at the start of STEP; with ``/PHASE`` it fires instead inside the checkpoint
 saved at STEP, as that save reaches PHASE (``stage``, ``plan``, ``write``, ``finalize``: see
-``trainer.checkpoint.SAVE_PHASES``), so tests can hit a save in flight without depending on timing.
+``trainer.events.SAVE_PHASES``), so tests can hit a save in flight without depending on timing.
 
 Each fault fires once per run, also across restarts: a marker file in ``RUN_DIR/faults/`` is
 created atomically (``O_EXCL``) just before the fault fires, with its ``fault`` event.
@@ -26,7 +26,7 @@ from typing import Protocol, runtime_checkable
 from trainer.errors import ParameterError
 from trainer.events import SAVE_PHASES, EventLog, FaultFired
 
-RANK_KINDS = ("exception", "sigkill", "hang", "exit")
+RANK_KINDS = ("exception", "sigkill", "hang", "exit", "sigterm")
 NODE_KINDS = ("node-loss", "partition")
 _SPEC = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?:/(?P<phase>[a-z]+))?(?::(?P<rank>\d+))?(?::(?P<seconds>\d+(?:\.\d+)?))?$")
 EXIT_CODE = 13
@@ -143,6 +143,8 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         if fault.kind == "exit":
             os._exit(EXIT_CODE)
+        if fault.kind == "sigterm":  # preemption of this rank's container: its PID 1, ft_launcher, forwards it
+            os.kill(os.getppid(), signal.SIGTERM)
         if fault.kind == "hang":
             while True:  # blocked inside C (the sleep syscall), as a stuck kernel or driver would be
                 time.sleep(3600)

@@ -125,6 +125,9 @@ def build_pytorchjob(cfg: TrainConfig, spec: LaunchSpec, opts: ClusterOptions) -
         metadata=k8s.V1ObjectMeta(annotations={"sidecar.istio.io/inject": "false"}),
         spec=k8s.V1PodSpec(
             containers=[container],
+            # Eviction and preemption: SIGTERM to ft_launcher (PID 1), which forwards it; the ranks
+            # checkpoint and exit within this, with a margin for the launcher's own exit.
+            termination_grace_period_seconds=int(cfg.grace_period) + 15,
             volumes=[
                 k8s.V1Volume(name="workspace", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(claim_name=opts.pvc_name)),
                 k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory", size_limit=opts.shm_size)),

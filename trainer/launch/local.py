@@ -16,6 +16,7 @@ import fcntl
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from trainer.errors import ParameterError, as_pipeline_parameters
 from trainer.events import EventLog, EventTail, Restart, RunEnd, Step
 from trainer.faults import NodeControl, NodeFault, NodeFaultInjector, parse_fault_spec
 from trainer.launch.spec import LaunchSpec
+from trainer.process import die_with_parent
 from trainer.rank.config import TRAJECTORY_FIELDS, Timeouts, TrainConfig
 from trainer.storage.store import StorageError, open_storage
 
@@ -49,6 +51,7 @@ def worker_command(cfg: TrainConfig, ft_launcher: str = "ft_launcher") -> list[s
         "--ft-rank-heartbeat-timeout", f"{t.heartbeat:g}",
         "--ft-enable-nic-monitor", "false",
         "--monitor-interval", "0.5",
+        "--term-timeout", f"{cfg.grace_period:g}",  # a SIGTERM it forwards to the ranks: their time to checkpoint
         "-m", "trainer.rank.train", *cfg.to_argv(),
     ]  # fmt: skip
 
@@ -261,8 +264,8 @@ def launch_local(
                 replica.start()
             code = _wait_with_progress(cfg, replicas, budget, injector, show=progress)
         finally:
-            for replica in replicas:
-                replica.stop()
+            for replica in replicas:  # a job still running here was interrupted: it is preempted
+                replica.stop(cfg.grace_period + 10)
         if code:
             EventLog(run_dir, rank=-1).emit(RunEnd(status="failed", exit_code=code))
         return code
@@ -280,28 +283,36 @@ class _Replica:
         """Start (or restart) the launcher; its output is appended to the replica's log."""
         self._log = self._log or open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
-            self.command, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(self.keep_fd,)
-        )
+            self.command, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(self.keep_fd,),
+            preexec_fn=die_with_parent,  # a launcher killed outright preempts its replicas instead of orphaning them
+        )  # fmt: skip
 
     def poll(self) -> int | None:
         """The launcher's exit code, None while it runs."""
         return self.proc.poll()
 
-    def stop(self) -> None:
-        """Terminate the launcher if it still runs and close the log."""
+    def stop(self, grace_s: float) -> None:
+        """Stop the launcher if it still runs (SIGTERM, which it forwards to its ranks: they
+        checkpoint and exit; SIGKILL after ``grace_s``) and close the log.
+        """
         if self.proc is not None and self.proc.poll() is None:
-            _terminate(self.proc)
+            _terminate(self.proc, grace_s)
         if self._log is not None:
             self._log.close()
             self._log = None
 
 
-def _terminate(proc: subprocess.Popen) -> None:
+def _terminate(proc: subprocess.Popen, grace_s: float) -> None:
+    # SIGTERM to the launcher alone, as a container runtime signals PID 1: its rank monitors (in
+    # its process group) must keep answering the ranks' heartbeats while they checkpoint.
     try:
-        os.killpg(proc.pid, 15)
-        proc.wait(timeout=20)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        os.killpg(proc.pid, 9)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):  # whatever is left of its process group
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def _wait_with_progress(cfg: TrainConfig, replicas: list[_Replica], budget: int, injector: NodeFaultInjector | None, *, show: bool) -> int:

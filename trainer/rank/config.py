@@ -89,6 +89,9 @@ class TrainConfig:
     """Seconds without a heartbeat before a rank is declared hung (other timeouts derive)."""
     checkpoint_uri: str = ""
     """Optional remote location that durable checkpoints are mirrored to."""
+    grace_period: float = 30.0
+    """Seconds a preempted job (SIGTERM) has to finish its step, checkpoint and exit before it is
+    killed (the PyTorchJob's ``terminationGracePeriodSeconds``)."""
     faults: list = field(default_factory=list, repr=False)
     """Parsed ``fault`` (derived)."""
 
@@ -112,6 +115,8 @@ class TrainConfig:
         ):
             if not ok:
                 raise ParameterError(name, f"out of range: {getattr(self, name)}")
+        if self.grace_period < 5:
+            raise ParameterError("grace_period", f"must be at least 5 s, got {self.grace_period}")
         if self.hang_timeout < 5:
             raise ParameterError("hang_timeout", f"must be at least 5 s, got {self.hang_timeout}")
         self.faults = parse_fault_spec(self.fault, steps=self.steps, world_size=self.world_size)

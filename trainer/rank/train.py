@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import signal
 import sys
 import time
 from functools import partial
@@ -26,6 +27,7 @@ from trainer.data.prepare import local_data
 from trainer.data.shards import TokenLoader, load_split
 from trainer.events import EventLog, RunEnd, RunStart, Step, describe_restart, read_events, recovery_layer
 from trainer.faults import FaultInjector
+from trainer.process import die_with_parent
 from trainer.rank.config import Timeouts, TrainConfig, add_train_arguments
 from trainer.rank.resilience import AsyncCheckpointWriter, Attempt, RankMonitor, make_store, run_restartable
 from trainer.rank.runtime import build_fsdp_model, detect_runtime, init_process_group, rng_state, set_rng_state
@@ -64,8 +66,10 @@ class TrainState:
         self.monitor.load_state_dict(rank_state["rank_monitor"])
 
 
-def train_step(state: TrainState, lr: float, grad_clip: float, device: torch.device) -> float:
-    """One optimizer step; returns the loss averaged over all ranks (exact float)."""
+def train_step(state: TrainState, lr: float, grad_clip: float, device: torch.device, *, stop: bool = False) -> tuple[float, bool]:
+    """One optimizer step; returns the loss averaged over all ranks (exact float) and whether any
+    rank asked to ``stop`` (agreed in the loss's all-reduce: no extra collective per step).
+    """
     inputs, targets = state.loader.next_batch()
     for group in state.optimizer.param_groups:
         group["lr"] = lr
@@ -74,12 +78,30 @@ def train_step(state: TrainState, lr: float, grad_clip: float, device: torch.dev
     torch.nn.utils.clip_grad_norm_(state.model.parameters(), grad_clip)
     state.optimizer.step()
     state.optimizer.zero_grad(set_to_none=True)
-    total = loss.detach().float().clone()
+    total = torch.stack([loss.detach().float(), torch.tensor(float(stop), device=loss.device)])
     dist.all_reduce(total)
-    return total.item() / dist.get_world_size()
+    loss_sum, stops = total.tolist()
+    return loss_sum / dist.get_world_size(), stops > 0
 
 
-def train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror | None, attempt: Attempt) -> None:
+class Preemption:
+    """SIGTERM (eviction, preemption, ``rfsdp train`` stopped) asks this process to stop: the
+    ranks agree on the step, checkpoint it and end the run as ``preempted``. The request
+    outlives in-process restarts.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        """Handle SIGTERM from now on (main thread only)."""
+        signal.signal(signal.SIGTERM, self._request)
+
+    def _request(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+
+def train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror | None, preemption: Preemption, attempt: Attempt) -> None:
     """One incarnation of the training function: set up, resume, loop, finish (``mirror``: rank 0's, if any)."""
     rt = detect_runtime()
     timeouts = Timeouts(cfg.hang_timeout, cfg.inprocess_restart)
@@ -123,20 +145,24 @@ def train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror |
     # A fault anywhere below ends this incarnation; what it was saving is never published (the
     # writer abandons it when the next incarnation's group arrives) and that one resumes from the
     # last durable checkpoint.
+    step, stop = start, False
     for step in range(start + 1, last + 1):
         faults.maybe_fire(step)
         t0 = time.perf_counter()
-        loss = train_step(state, lr_at(cfg, step), cfg.grad_clip, rt.device)
+        loss, stop = train_step(state, lr_at(cfg, step), cfg.grad_clip, rt.device, stop=preemption.requested)
         step_time = time.perf_counter() - t0
         alive()
         if rt.rank == 0:
             done = events.emit(Step(step=step, loss=loss, step_time_s=step_time, tokens=tokens_per_step))
             if layer and step == start + 1:
                 events.emit(describe_restart(prior, layer=layer, resumed_from=start, first_step_time=done.time))
-        checkpointer.step(step, partial(state.snapshot, step), last=step == last)
+        checkpointer.step(step, partial(state.snapshot, step), last=step == last or stop)  # last: waits until published
+        if stop:
+            break
     monitor.stop()
     if rt.rank == 0:
-        events.emit(RunEnd(status="completed" if last == cfg.steps else "stopped", step=last))
+        status = "preempted" if stop else "completed" if last == cfg.steps else "stopped"
+        events.emit(RunEnd(status=status, step=step))
     dist.destroy_process_group()
 
 
@@ -146,16 +172,24 @@ def main(argv: list[str] | None = None) -> None:
     add_train_arguments(parser)
     cfg = TrainConfig.from_mapping(vars(parser.parse_args(argv)))
     cuda = torch.cuda.is_available()
+    die_with_parent()  # a launcher that is gone preempts this rank: nothing outlives it
+    # The launcher delivers SIGTERM to this rank's whole process group. The checkpoint writer's
+    # worker (and NVRx's helper processes) must survive it to write the preemption checkpoint, so
+    # they are started ignoring it (an ignored signal stays ignored in a spawned child).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # One writer per process: its background worker survives in-process restarts.
     writer = AsyncCheckpointWriter(cuda=cuda) if cfg.ckpt_mode == "async" else SyncDcpWriter()
     primary = cfg.checkpoint_uri and os.environ.get("RANK") == "0"
     mirror = CheckpointMirror(cfg.checkpoint_uri, Path(cfg.run_dir), keep_last=cfg.keep_last) if primary else None
+    preemption = Preemption()
+    preemption.install()
     try:
         if cfg.inprocess_restart:
             timeouts = Timeouts(cfg.hang_timeout, True)
-            run_restartable(partial(train, cfg, writer, mirror), timeouts, cuda=cuda, max_restarts=cfg.max_inprocess_restarts)
+            restartable = partial(train, cfg, writer, mirror, preemption)
+            run_restartable(restartable, timeouts, cuda=cuda, max_restarts=cfg.max_inprocess_restarts)
         else:
-            train(cfg, writer, mirror, Attempt())
+            train(cfg, writer, mirror, preemption, Attempt())
     finally:
         writer.close()
         if mirror is not None:  # a failing process must not delay its restart for an upload
