@@ -26,7 +26,7 @@ check: setup
 # Everything (CI): import contracts, then every test tier this machine can run.
 test: setup
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=15
 
 # The in-flight-save fault stress alone, 20 runs (half of them beside busy loops on every core).
 stress: setup
