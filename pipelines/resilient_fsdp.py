@@ -86,7 +86,7 @@ def resilient_fsdp_training(
         nproc_per_node: Worker processes per replica (one per GPU with gpus=true).
         max_restarts: In-job restarts ft_launcher may do before the job fails.
         inprocess_restart: Recover soft faults (exceptions, stuck Python) inside the running processes.
-        fault: Fault injection schedule KIND@STEP[:RANK],... with KIND exception, sigkill, hang, exit or sigterm (preemption) ("" none).
+        fault: Fault schedule KIND@STEP[:RANK],... KIND: exception, sigkill, hang, exit, sigterm (preemption), corrupt-event ("" none).
         model: Model size: tiny, small, base, large or 1b.
         seed: Seed of initialization and data order.
         hang_timeout: Seconds without a heartbeat before a rank counts as hung (the other timeouts derive from it).

@@ -23,7 +23,18 @@ import torch
 from tests.conftest import ROOT, losses, train
 from tests.test_training import assert_same_tensors
 from trainer.checkpoint import CHECKPOINTS, latest_checkpoint, read_full_state, step_dir_name, verify_checkpoint
-from trainer.events import SAVE_PHASES, Checkpoint, CheckpointFailed, FaultFired, Restart, RunEnd, RunStart, Step, read_events
+from trainer.events import (
+    SAVE_PHASES,
+    Checkpoint,
+    CheckpointFailed,
+    FaultFired,
+    Restart,
+    RunEnd,
+    RunStart,
+    Step,
+    corrupt_lines,
+    read_events,
+)
 
 pytestmark = pytest.mark.slow  # real multi-process jobs
 
@@ -106,11 +117,15 @@ def test_exception_without_inprocess_falls_to_in_job(data_dir: Path, baseline_60
 
 
 def test_all_four_faults_in_one_run(data_dir: Path, baseline_60: Path, tmp_path: Path) -> None:
+    """Also a torn line in the middle of events.jsonl: every reader skips it, the summary reports it."""
     run = tmp_path / "run"
-    train(data_dir, run, "--steps", "60", "--fault", "exception@12:1,sigkill@23:0,hang@34:1,exit@45:0", "--max-restarts", "5", timeout=900)
+    faults = "exception@12:1,sigkill@23:0,hang@34:1,exit@45:0,corrupt-event@50"
+    proc = train(data_dir, run, "--steps", "60", "--fault", faults, "--max-restarts", "5", timeout=900)
     assert [r.layer for r in restarts(run)] == ["in_process", "in_job", "in_job", "in_job"]
     assert [r.attempt for r in restarts(run)] == [1, 2, 3, 4]
     assert losses(run) == losses(baseline_60)
+    (torn,) = corrupt_lines(run)
+    assert "corrupt event lines" in proc.stdout and f"1 skipped (line {torn})" in proc.stdout
 
 
 def test_restarts_exhausted_keeps_last_good_checkpoint(data_dir: Path, tmp_path: Path) -> None:

@@ -238,13 +238,25 @@ def parse_event_lines(text: str) -> Iterator[Event]:
     """The events in ``text``, skipping torn lines: a process killed mid-write leaves a partial
     line, which the next writer's line then follows on the same line.
     """
-    for line in text.splitlines():
-        try:
-            event = from_record(json.loads(line))
-        except json.JSONDecodeError:
-            continue
+    for _, event in _parse(text):
         if event is not None:
             yield event
+
+
+def corrupt_lines(run_dir: Path) -> list[int]:
+    """Line numbers (from 1) of ``events.jsonl`` that are not events: torn or foreign lines,
+    which every reader skips (reported once, by the run's summary).
+    """
+    path = Path(run_dir) / EVENTS_FILE
+    return [n for n, event in _parse(path.read_text()) if event is None] if path.exists() else []
+
+
+def _parse(text: str) -> Iterator[tuple[int, Event | None]]:
+    for n, line in enumerate(text.splitlines(), start=1):
+        try:
+            yield n, from_record(json.loads(line))
+        except json.JSONDecodeError:
+            yield n, None
 
 
 class EventTail:

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from trainer.errors import ParameterError
-from trainer.events import SAVE_PHASES, EventLog, FaultFired
+from trainer.events import EVENTS_FILE, SAVE_PHASES, EventLog, FaultFired
 
-RANK_KINDS = ("exception", "sigkill", "hang", "exit", "sigterm")
+RANK_KINDS = ("exception", "sigkill", "hang", "exit", "sigterm", "corrupt-event")
 NODE_KINDS = ("node-loss", "partition")
 _SPEC = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?:/(?P<phase>[a-z]+))?(?::(?P<rank>\d+))?(?::(?P<seconds>\d+(?:\.\d+)?))?$")
 EXIT_CODE = 13
@@ -143,6 +143,9 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         if fault.kind == "exit":
             os._exit(EXIT_CODE)
+        if fault.kind == "corrupt-event":  # a line torn by a writer that died mid-write
+            with open(self.run_dir / EVENTS_FILE, "a") as f:
+                f.write('{"event": "step", "step": ' + str(step) + ', "lo\n')
         if fault.kind == "sigterm":  # preemption of this rank's container: its PID 1, ft_launcher, forwards it
             os.kill(os.getppid(), signal.SIGTERM)
         if fault.kind == "hang":

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from trainer.checkpoint import CHECKPOINTS, latest_checkpoint, published_checkpoints
-from trainer.events import Checkpoint, FaultFired, Restart, final_losses, latest_end, read_events, select
+from trainer.events import Checkpoint, FaultFired, Restart, corrupt_lines, final_losses, latest_end, read_events, select
 
 
 def print_run_summary(run_dir: Path) -> None:
@@ -32,6 +32,9 @@ def print_run_summary(run_dir: Path) -> None:
     table.add_row("latest", latest.name if latest else "-")
     end = latest_end(events)
     table.add_row("ended", f"{end.status} at step {end.step}" if end and end.step is not None else end.status if end else "-")
+    if corrupt := corrupt_lines(run_dir):
+        shown = ", ".join(map(str, corrupt[:5])) + (", ..." if len(corrupt) > 5 else "")
+        table.add_row("corrupt event lines", f"{len(corrupt)} skipped (line {shown})")
     console.print(table)
     restarts = [e for e in events if isinstance(e, FaultFired | Restart)]
     if restarts:
