@@ -164,3 +164,19 @@ def test_endpoint_down(s3_server: str, tmp_path: Path, monkeypatch: pytest.Monke
         fetch_run_dir("s3://bucket/run", tmp_path / "run")
     code, err = cli(capsys, "train", "--quiet", "--data", "s3://bucket/data", "--run-dir", str(tmp_path / "r"))
     assert (code, err) == (2, f"rfsdp train: error: --data: s3://bucket/data/manifest.json: cannot reach the S3 endpoint {down}")
+
+
+def test_a_mirror_of_another_run_is_refused_before_anything_starts(s3_bucket: str, data_dir: Path, tmp_path: Path) -> None:
+    from trainer.errors import ParameterError
+    from trainer.launch.local import check_launch
+    from trainer.launch.spec import LaunchSpec
+    from trainer.rank.config import TRAJECTORY_FIELDS, TrainConfig
+
+    remote = f"{s3_bucket}/run"
+    other = TrainConfig(data=str(data_dir), run_dir=str(tmp_path / "other"), seed=7)
+    open_storage(remote).write_bytes("config.json", json.dumps({k: getattr(other, k) for k in TRAJECTORY_FIELDS}).encode())
+    mine = TrainConfig(data=str(data_dir), run_dir=str(tmp_path / "mine"), checkpoint_uri=remote)
+    with pytest.raises(ParameterError, match=rf"^--checkpoint-uri: {remote} mirrors another run \(seed: 7 there, 0 now\)"):
+        check_launch(mine, LaunchSpec())
+    assert not (tmp_path / "mine").exists() and open_storage(remote).list() == ["config.json"]  # nothing written anywhere
+    check_launch(TrainConfig(data=str(data_dir), run_dir=str(tmp_path / "again"), checkpoint_uri=remote, seed=7), LaunchSpec())

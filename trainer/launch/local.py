@@ -104,23 +104,35 @@ def check_launch(cfg: TrainConfig, spec: LaunchSpec, *, verify_data: bool = True
     except (DataError, StorageError) as e:
         raise ParameterError("data", str(e)) from e
     if cfg.checkpoint_uri:
-        try:
-            open_storage(cfg.checkpoint_uri).check()
-        except StorageError as e:
-            raise ParameterError("checkpoint_uri", str(e)) from e
+        check_mirror(cfg)
     check_run_dir(cfg)
 
 
 def check_run_dir(cfg: TrainConfig) -> None:
     """Refuse a run dir that holds another trajectory's config (and its checkpoints)."""
     path = Path(cfg.run_dir) / RUN_CONFIG
-    if not path.exists():
-        return
-    saved = json.loads(path.read_text())
-    differ = [k for k in TRAJECTORY_FIELDS if saved.get(k) != getattr(cfg, k)]
-    if differ:
-        detail = ", ".join(f"{k}: {saved.get(k)!r} there, {getattr(cfg, k)!r} now" for k in differ)
+    if path.exists() and (detail := _other_trajectory(json.loads(path.read_text()), cfg)):
         raise ParameterError("run_dir", f"{cfg.run_dir} belongs to another training config ({detail})")
+
+
+def check_mirror(cfg: TrainConfig) -> None:
+    """Refuse a ``checkpoint_uri`` that cannot be used, or that mirrors another run: one run's
+    checkpoints are never overwritten or pruned by another's mirror.
+    """
+    try:
+        store = open_storage(cfg.checkpoint_uri)
+        store.check()
+        saved = json.loads(store.read_bytes(RUN_CONFIG)) if store.stat(RUN_CONFIG) is not None else None
+    except (StorageError, json.JSONDecodeError) as e:
+        raise ParameterError("checkpoint_uri", str(e)) from e
+    if saved is not None and (detail := _other_trajectory(saved, cfg)):
+        raise ParameterError("checkpoint_uri", f"{cfg.checkpoint_uri} mirrors another run ({detail})")
+
+
+def _other_trajectory(saved: dict, cfg: TrainConfig) -> str:
+    """How a recorded trajectory config differs from ``cfg`` ("" when it is the same)."""
+    differ = [k for k in TRAJECTORY_FIELDS if saved.get(k) != getattr(cfg, k)]
+    return ", ".join(f"{k}: {saved.get(k)!r} there, {getattr(cfg, k)!r} now" for k in differ)
 
 
 RUN_DIR_LOCK = ".lock"
