@@ -51,3 +51,19 @@ def test_errors_name_the_flag_on_the_command_line_and_the_parameter_in_the_pipel
         job_from_parameters({**params, "ckpt_every": 10, "fault": "exception@99"}, data=str(tmp_path), run_dir=str(tmp_path / "run"))
     with pytest.raises(ParameterError, match="^max_restarts: must be at least 0"):
         job_from_parameters({**params, "max_restarts": -1}, data=str(tmp_path), run_dir=str(tmp_path / "run"))
+
+
+def test_train_help_shows_defaults_choices_fault_kinds_and_an_example(capsys: pytest.CaptureFixture) -> None:
+    from trainer.cli import main
+    from trainer.faults import FAULT_KINDS
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--ckpt-mode {async,sync}" in text and "--model {tiny,small,base,large,1b}" in text
+    assert "(default: 10)" in text and "(default: 'async')" in text
+    assert all(f"{kind}:" in text for kind in FAULT_KINDS)
+    assert "example: rfsdp train --data" in text
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.startswith("rfsdp 0.1.0")

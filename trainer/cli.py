@@ -10,6 +10,7 @@ import signal
 import sys
 import tempfile
 import threading
+from importlib.metadata import version
 from pathlib import Path
 
 from trainer.data import BUILTIN_CORPUS
@@ -170,6 +171,7 @@ def _bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The ``rfsdp`` argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="rfsdp", description="Resilient FSDP training as a Kubeflow pipeline.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version('resilient-fsdp')}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("prepare-data", help="tokenize a corpus into checksummed shards")
@@ -180,7 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
     p.set_defaults(func=_prepare_data)
 
-    p = sub.add_parser("train", help="run resilient FSDP training locally (ft_launcher per replica)")
+    p = sub.add_parser(
+        "train",
+        help="run resilient FSDP training locally (ft_launcher per replica)",
+        epilog="example: rfsdp train --data work/data --run-dir work/run --steps 60 --fault exception@15:1,sigkill@30:0",
+    )
     add_train_arguments(p, include_world=False)
     launch = LaunchSpec()
     p.add_argument("--nnodes", type=int, default=launch.nnodes, help="replicas (nodes)")

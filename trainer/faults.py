@@ -26,10 +26,21 @@ from typing import Protocol, runtime_checkable
 from trainer.errors import ParameterError
 from trainer.events import EVENTS_FILE, SAVE_PHASES, EventLog, FaultFired
 
-RANK_KINDS = ("exception", "sigkill", "hang", "exit", "sigterm", "corrupt-event")
-NODE_KINDS = ("node-loss", "partition")
-_SPEC = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?:/(?P<phase>[a-z]+))?(?::(?P<rank>\d+))?(?::(?P<seconds>\d+(?:\.\d+)?))?$")
 EXIT_CODE = 13
+RANK_KINDS = {
+    "exception": "raised in the step (in-process restart)",
+    "sigkill": "the rank is killed (in-job restart)",
+    "hang": "the rank blocks inside C (hang detection, in-job restart)",
+    "exit": f"the rank exits with code {EXIT_CODE} (in-job restart)",
+    "sigterm": "the rank's container is preempted (every rank checkpoints and exits 0)",
+    "corrupt-event": "rank 0 appends a torn line to events.jsonl (skipped and reported)",
+}
+NODE_KINDS = {
+    "node-loss": "node-loss@STEP:NODE, the replica's host dies (--netns)",
+    "partition": "partition@STEP:NODE:SECONDS, the host is cut off for SECONDS (--netns)",
+}
+FAULT_KINDS = {**RANK_KINDS, **NODE_KINDS}
+_SPEC = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?:/(?P<phase>[a-z]+))?(?::(?P<rank>\d+))?(?::(?P<seconds>\d+(?:\.\d+)?))?$")
 FAULTS_DIR = "faults"
 
 
@@ -85,8 +96,8 @@ def parse_fault_spec(spec: str, *, steps: int, world_size: int, nnodes: int | No
         if not m:
             raise ParameterError("fault", f"{item!r} is not KIND@STEP[/PHASE][:RANK] or node-loss@STEP:NODE or partition@STEP:NODE:SECONDS")
         kind, step, target, phase = m["kind"], int(m["step"]), int(m["rank"] or 0), m["phase"] or ""
-        if kind not in RANK_KINDS + NODE_KINDS:
-            raise ParameterError("fault", f"unknown kind {kind!r} in {item!r} (known: {', '.join(RANK_KINDS + NODE_KINDS)})")
+        if kind not in FAULT_KINDS:
+            raise ParameterError("fault", f"unknown kind {kind!r} in {item!r} (known: {', '.join(FAULT_KINDS)})")
         if not 1 <= step <= steps:
             raise ParameterError("fault", f"step {step} in {item!r} is outside the run (1..{steps})")
         if phase and (kind not in RANK_KINDS or phase not in SAVE_PHASES):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.errors import ParameterError
-from trainer.faults import Fault, parse_fault_spec
+from trainer.faults import FAULT_KINDS, Fault, parse_fault_spec
 
 CKPT_MODES = ("async", "sync")
 
@@ -168,18 +168,25 @@ def config_defaults() -> dict[str, Any]:
 
 
 def add_train_arguments(parser: argparse.ArgumentParser, *, include_world: bool = True) -> None:
-    """Register every TrainConfig field as a ``--flag`` (help text from the field docstrings)."""
+    """Register every TrainConfig field as a ``--flag``: help from the field docstrings, with the
+    default and the choices; ``--fault`` lists the fault kinds.
+    """
     helps = _field_docs()
+    helps["fault"] += " Kinds: " + "; ".join(f"{kind}: {what}" for kind, what in FAULT_KINDS.items()) + "."
+    choices = {"model": list(MODEL_SIZES), "ckpt_mode": list(CKPT_MODES)}
     for f in dataclasses.fields(TrainConfig):
         if f.name == "faults" or (f.name == "world_size" and not include_world):
             continue
         flag = "--" + f.name.replace("_", "-")
+        text = " ".join(helps.get(f.name, "").split()).replace("%", "%%")
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        if f.type == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helps.get(f.name))
+        if f.type == "bool":  # argparse adds "(default: ...)" to these itself
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
         else:
             kind = {"int": int, "float": float}.get(f.type, str)
-            parser.add_argument(flag, type=kind, required=required, default=None if required else f.default, help=helps.get(f.name))
+            text += "" if required else " (default: %(default)r)"
+            default = None if required else f.default
+            parser.add_argument(flag, type=kind, required=required, default=default, choices=choices.get(f.name), help=text)
 
 
 def _field_docs() -> dict[str, str]:
