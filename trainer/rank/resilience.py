@@ -23,7 +23,7 @@ import torch.distributed as dist
 from nvidia_resiliency_ext import inprocess
 from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest, PersistentAsyncCaller
 from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync, _get_write_results_queue
-from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
+from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import CheckpointMetadataCache, save_state_dict_async_plan
 from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
@@ -114,6 +114,10 @@ class _Incarnation:
     group: dist.ProcessGroup
     staging: dict | None = None
     started: _StartedWrite | None = None
+    # DCP's save plan (and rank 0's metadata) of the last save: reused while the state's structure
+    # is unchanged, which skips the planning collective. Every rank decides reuse from its own
+    # plan, so the cache must start empty on every rank at once: a new incarnation, a new cache.
+    plans: CheckpointMetadataCache = field(default_factory=CheckpointMetadataCache)
 
 
 class AsyncCheckpointWriter:
@@ -157,7 +161,9 @@ class AsyncCheckpointWriter:
             state_dict = _copy_state_dict(state_dict, current.staging)
         hooks.on_phase("stage")
         fs_writer = FileSystemWriterAsync(directory, thread_count=1)
-        _, metadata, dist_wrapper = save_state_dict_async_plan(state_dict, fs_writer, process_group=group)
+        _, metadata, dist_wrapper = save_state_dict_async_plan(
+            state_dict, fs_writer, process_group=group, enable_cache=True, metadata_cache=current.plans
+        )
         hooks.on_phase("plan")
         save_fn, preload_fn, save_args = fs_writer.get_save_function_and_args()
         buckets = save_args[1] if save_fn is not None else []
