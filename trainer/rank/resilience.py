@@ -69,9 +69,8 @@ def _write_shard(done: torch.Tensor, request_id: int, save_fn: Callable | None, 
     done[0] = request_id
 
 
-def _mark_done(done: torch.Tensor, request_id: int) -> None:
-    """Warm-up request: the worker has imported everything and answers."""
-    done[0] = request_id
+def _warm_up() -> None:
+    """The first request: the worker imports everything it needs before the first write arrives."""
 
 
 def _outcome_name(rank: int) -> str:
@@ -145,10 +144,10 @@ class AsyncCheckpointWriter:
         self._sent = 0  # last request handed to the worker
         self._caller: PersistentAsyncCaller | None = None
         self._current: _Incarnation | None = None
-        # Start the worker (a spawned interpreter: seconds) and NVRx's results manager now, so the
-        # first save does not stall the training loop for them.
+        # Start the worker (a spawned interpreter: seconds) and NVRx's results manager now. The
+        # warm-up is not a write the training loop waits for: the first write queues behind it.
         _get_write_results_queue()
-        self._send(partial(_mark_done, self._done, self._sent + 1), ())
+        self._send(_warm_up, ())
 
     def start(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:
         """Stage, plan (collective) and hand the write to the background worker. Call it only
@@ -170,6 +169,7 @@ class AsyncCheckpointWriter:
         task = partial(_write_shard, self._done, self._sent + 1, save_fn, str(directory))
         with hooks.atomic():  # a request is sent and recorded whole, or not at all
             self._send(task, (dist.get_rank(), buckets), preload_fn if self.cuda else None)  # NVRx's preload calls CUDA
+            self._sent += 1
             current.started = _StartedWrite(Path(directory), fs_writer, metadata, dist_wrapper, hooks)
         hooks.on_phase("write")
 
@@ -216,7 +216,6 @@ class AsyncCheckpointWriter:
             self._caller = PersistentAsyncCaller()
             self._caller.rank = int(os.environ.get("RANK", 0))
         self._caller.schedule_async_call(AsyncRequest(task, args, [], preload_fn=preload_fn))
-        self._sent += 1
         _drain(self._caller.comp_q)  # NVRx's completion queue: unread, emptied here inside the atomic section
 
 
