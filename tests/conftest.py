@@ -50,6 +50,16 @@ def baseline_60(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     return run
 
 
+@pytest.fixture(scope="session")
+def sync_resumed_60(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The reference trajectory with sync checkpoints, stopped at step 30 and resumed to 60."""
+    run = tmp_path_factory.mktemp("sync_resumed") / "run"
+    train(data_dir, run, "--steps", "60", "--stop-at-step", "30", "--ckpt-mode", "sync")
+    assert max(losses(run)) == 30
+    train(data_dir, run, "--steps", "60", "--ckpt-mode", "sync")
+    return run
+
+
 S3_SECRET = "rfsdp-test-secret-never-logged"
 _BUCKETS = itertools.count()
 

@@ -52,6 +52,7 @@ def worker_command(cfg: TrainConfig, ft_launcher: str = "ft_launcher") -> list[s
         "--ft-enable-nic-monitor", "false",
         "--monitor-interval", "0.5",
         "--term-timeout", f"{cfg.grace_period:g}",  # a SIGTERM it forwards to the ranks: their time to checkpoint
+        "--workers-stop-timeout", "0",  # ranks it stops to restart them have nothing to save: SIGKILL at once
         "-m", "trainer.rank.train", *cfg.to_argv(),
     ]  # fmt: skip
 

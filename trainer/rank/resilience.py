@@ -12,6 +12,7 @@ import datetime
 import os
 import pickle
 import queue
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -28,6 +29,7 @@ from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
 from trainer.checkpoint import CheckpointWriteError, SaveHooks, write_rank_checksums
+from trainer.process import die_with_parent
 from trainer.rank.config import Timeouts
 
 FT_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"
@@ -70,7 +72,13 @@ def _write_shard(done: torch.Tensor, request_id: int, save_fn: Callable | None, 
 
 
 def _warm_up() -> None:
-    """The first request: the worker imports everything it needs before the first write arrives."""
+    """The first request of every worker: it imports what it needs before the first write
+    arrives, and sets how it ends. A preemption's SIGTERM reaches the rank's whole process group:
+    the worker ignores it, to finish the writes the rank's last checkpoint needs; it dies with
+    its rank instead, so it never outlives it.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    die_with_parent(signal.SIGKILL)
 
 
 def _outcome_name(rank: int) -> str:
@@ -147,7 +155,7 @@ class AsyncCheckpointWriter:
         # Start the worker (a spawned interpreter: seconds) and NVRx's results manager now. The
         # warm-up is not a write the training loop waits for: the first write queues behind it.
         _get_write_results_queue()
-        self._send(_warm_up, ())
+        self._ensure_worker()
 
     def start(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:
         """Stage, plan (collective) and hand the write to the background worker. Call it only
@@ -210,13 +218,18 @@ class AsyncCheckpointWriter:
         return int(self._done[0]) < self._sent and worker is not None and worker.is_alive()
 
     def _send(self, task: Callable, args: tuple, preload_fn: Callable | None = None) -> None:
+        self._ensure_worker()
+        self._caller.schedule_async_call(AsyncRequest(task, args, [], preload_fn=preload_fn))
+        _drain(self._caller.comp_q)  # NVRx's completion queue: unread, emptied here inside the atomic section
+
+    def _ensure_worker(self) -> None:
+        """A live worker: a new one (after a dead one) is spawned and warmed up first."""
         if self._caller is None or (self._caller.process is not None and not self._caller.process.is_alive()):
             if self._caller is not None:
                 self._caller.process = None  # dead: nothing to join
             self._caller = PersistentAsyncCaller()
             self._caller.rank = int(os.environ.get("RANK", 0))
-        self._caller.schedule_async_call(AsyncRequest(task, args, [], preload_fn=preload_fn))
-        _drain(self._caller.comp_q)  # NVRx's completion queue: unread, emptied here inside the atomic section
+            self._caller.schedule_async_call(AsyncRequest(_warm_up, (), []))
 
 
 def _agree_and_finalize(started: _StartedWrite, group: dist.ProcessGroup) -> None:

@@ -173,10 +173,6 @@ def main(argv: list[str] | None = None) -> None:
     cfg = TrainConfig.from_mapping(vars(parser.parse_args(argv)))
     cuda = torch.cuda.is_available()
     die_with_parent()  # a launcher that is gone preempts this rank: nothing outlives it
-    # The launcher delivers SIGTERM to this rank's whole process group. The checkpoint writer's
-    # worker (and NVRx's helper processes) must survive it to write the preemption checkpoint, so
-    # they are started ignoring it (an ignored signal stays ignored in a spawned child).
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # One writer per process: its background worker survives in-process restarts.
     writer = AsyncCheckpointWriter(cuda=cuda) if cfg.ckpt_mode == "async" else SyncDcpWriter()
     primary = cfg.checkpoint_uri and os.environ.get("RANK") == "0"
