@@ -319,7 +319,7 @@ def test_partition_2x1_detected_recovered_nothing_published_while_cut(data_dir: 
 
         verify_checkpoint(path)
     recovery = first_after.time - fault.time
-    print(f"\npartition 15 s: first step {recovery:.1f} s after the cut, resumed from step {restart['resumed_from_step']}")
+    print(f"\npartition 15 s: first step {recovery:.1f} s after the cut, resumed from step {restart.resumed_from_step}")
 
 
 @needs_netns
