@@ -50,17 +50,19 @@ def test_stop_and_resume_is_bitwise_exact(sync_resumed_60: Path, baseline_60: Pa
 
 
 def test_torn_checkpoint_is_skipped(data_dir: Path, baseline_60: Path, tmp_path: Path) -> None:
+    """The reference run's two newest checkpoints are damaged; running it again resumes from the
+    third, skipping both with warnings, and ends on the same trajectory."""
     run = tmp_path / "run"
-    train(data_dir, run, "--steps", "60", "--stop-at-step", "30", "--keep-last", "5")
+    shutil.copytree(baseline_60, run)
     ckpts = run / CHECKPOINTS
-    next(iter((ckpts / "step_000030").glob("__1_*.distcp"))).unlink()  # a shard removed
-    shard = next(iter((ckpts / "step_000020").glob("__0_*.distcp")))
+    next(iter((ckpts / "step_000060").glob("__1_*.distcp"))).unlink()  # a shard removed
+    shard = next(iter((ckpts / "step_000050").glob("__0_*.distcp")))
     shard.write_bytes(shard.read_bytes()[:-64])  # a shard truncated
-    train(data_dir, run, "--steps", "60", "--keep-last", "5")
+    train(data_dir, run, "--steps", "60")
     events = read_events(run)
     skipped = [e for e in select(events, RunWarning) if e.kind == "checkpoint_skipped"]
-    assert [e.step for e in skipped] == [30, 20]
-    assert [e.resumed_from_step for e in select(events, RunStart)] == [0, 10]
+    assert [e.step for e in skipped] == [60, 50]
+    assert [e.resumed_from_step for e in select(events, RunStart)] == [0, 40]
     assert losses(run) == losses(baseline_60)
     verify_checkpoint(latest_checkpoint(run))
 
