@@ -177,8 +177,8 @@ class NodeControl(Protocol):
 
 class NodeFaultInjector:
     """Fires node faults from the launcher: when the run reaches a fault's step (the step
-    before it completed), writes its ``fault`` event (rank -1) and marker, then acts on the
-    host; a partition's link comes back ``seconds`` later (see :meth:`tick`).
+    before it completed), claims its marker, acts on the host, then writes its ``fault`` event
+    (rank -1); a partition's link comes back ``seconds`` later (see :meth:`tick`).
     """
 
     def __init__(self, faults: list[Fault | NodeFault], run_dir: Path, control: NodeControl) -> None:
@@ -194,12 +194,13 @@ class NodeFaultInjector:
             fault = self.pending.pop(0)
             if not claim_fault(self.run_dir, fault.key):
                 continue  # fired before this launch (a resumed run)
-            self.events.emit(FaultFired(kind=fault.kind, step=completed_step + 1, node=fault.node, seconds=fault.seconds))
             if fault.kind == "node-loss":
                 self.control.kill_node(fault.node)
             else:
                 self.control.set_link(fault.node, up=False)
                 self.heal_at[fault.node] = time.monotonic() + fault.seconds
+            # Written once the fault is in place: what happens after the event happens under it.
+            self.events.emit(FaultFired(kind=fault.kind, step=completed_step + 1, node=fault.node, seconds=fault.seconds))
 
     def tick(self) -> None:
         """Bring back the links whose partition is over."""
