@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -92,7 +94,16 @@ def test_a_second_job_on_a_live_run_dir_is_refused_and_the_first_finishes_exact(
         while not select(read_events(run), Step):  # the first job is training
             assert first.poll() is None, first.stderr.read()
             time.sleep(0.2)
-        second = rfsdp(*cmd[3:], timeout=120)
+        # The first job is frozen while the second tries, so it is live whatever the machine's speed.
+        pgrep = subprocess.run(["pgrep", "-f", f"--run-dir {run}"], capture_output=True, text=True)
+        frozen = [int(pid) for pid in pgrep.stdout.split()]
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            second = rfsdp(*cmd[3:], timeout=120)
+        finally:
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
         assert first.poll() is None, "the first job ended before the second was refused: nothing was tested"
         assert second.returncode == 2 and "Traceback" not in second.stderr
         assert f"--run-dir: {run} is in use by a live job (pid {first.pid} on " in second.stderr

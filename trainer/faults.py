@@ -157,8 +157,9 @@ class FaultInjector:
         if fault.kind == "corrupt-event":  # a line torn by a writer that died mid-write
             with open(self.run_dir / EVENTS_FILE, "a") as f:
                 f.write('{"event": "step", "step": ' + str(step) + ', "lo\n')
-        if fault.kind == "sigterm":  # preemption of this rank's container: its PID 1, ft_launcher, forwards it
-            os.kill(os.getppid(), signal.SIGTERM)
+        if fault.kind == "sigterm":  # preemption of this rank's container: its PID 1, ft_launcher, forwards it to the
+            os.kill(os.getppid(), signal.SIGTERM)  # other ranks; this rank gets it now, so the stop step is this one
+            os.kill(os.getpid(), signal.SIGTERM)
         if fault.kind == "hang":
             while True:  # blocked inside C (the sleep syscall), as a stuck kernel or driver would be
                 time.sleep(3600)
