@@ -9,6 +9,10 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /opt/resilient-fsdp
 
+# The unprivileged user every step and worker runs as; trainer.launch.IMAGE_UID / IMAGE_GID hold the
+# same ids for the pods' securityContext (tests/test_image.py checks they agree).
+RUN groupadd --gid 1000 rfsdp && useradd --uid 1000 --gid 1000 --create-home --shell /usr/sbin/nologin rfsdp
+
 # torch first and pinned: on Linux x86_64 this wheel is the CUDA build (NCCL included), the same
 # version line as the CPU build the tests use. NVRx 0.4.1 is the newest wheel for Python 3.11.
 RUN pip install torch==2.13.0
@@ -23,6 +27,9 @@ COPY bench bench
 RUN pip install . \
  && python -c "import kfp, kubeflow.training, nvidia_resiliency_ext, mlflow, boto3, trainer.rank.train, trainer.launch.k8s, pipelines.resilient_fsdp" \
  && command -v ft_launcher rfsdp
+
+USER 1000:1000
+ENV HOME=/home/rfsdp
 
 # KFP runs the components' own command; a bare `docker run` shows the CLI.
 CMD ["rfsdp", "--help"]

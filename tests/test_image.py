@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from trainer.launch import IMAGE_GID, IMAGE_UID
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -34,3 +36,17 @@ def test_the_image_build_context_makes_a_wheel(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert list((tmp_path / "wheel").glob("resilient_fsdp-*.whl"))
+
+
+def test_the_image_runs_as_the_unprivileged_user_the_pods_declare() -> None:
+    """The image's final USER is numeric (Kubernetes' runAsNonRoot can only verify a number), is
+    created with the ids trainer.launch declares for the pods' securityContext, and comes after
+    every RUN, so installing stays root's and nothing the steps run is."""
+    lines = [line.strip() for line in (ROOT / "Dockerfile").read_text().splitlines()]
+    users = [i for i, line in enumerate(lines) if line.startswith("USER ")]
+    assert users, "the image must not run as root"
+    assert lines[users[-1]].split()[1] == f"{IMAGE_UID}:{IMAGE_GID}"
+    assert IMAGE_UID != 0 and IMAGE_GID != 0
+    assert max(i for i, line in enumerate(lines) if line.startswith("RUN ")) < users[-1]
+    created = " ".join(line for line in lines if "useradd" in line or "groupadd" in line)
+    assert f"groupadd --gid {IMAGE_GID} " in created and f"useradd --uid {IMAGE_UID} --gid {IMAGE_GID} " in created

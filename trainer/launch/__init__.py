@@ -12,3 +12,7 @@ CREDENTIAL_SECRETS: dict[str, tuple[str, ...]] = {
 }
 """Secrets (name -> keys, each key becomes the env variable of that name) given to the pipeline's
 pods and to every worker, all optional: credentials never travel as pipeline parameters."""
+IMAGE_UID = 1000
+"""User id the image runs as (the Dockerfile's ``USER``); pods set the same ``runAsUser``."""
+IMAGE_GID = 1000
+"""Group id the image runs as; pods set the same ``runAsGroup`` and ``fsGroup`` (the shared volume stays writable)."""
