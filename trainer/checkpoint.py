@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from trainer.errors import non_transient_cause
 from trainer.events import Checkpoint, CheckpointFailed, EventLog, RunWarning
 from trainer.fsutil import atomic_write_text, file_sha256, fsync_dir
 
@@ -260,6 +261,8 @@ class Checkpointer:
                 self.heartbeat()
                 time.sleep(0.05)
         except CheckpointWriteError as e:
+            if non_transient_cause(e) is not None:
+                raise  # retrying at the next interval cannot help: the job ends
             self._fail(pending, e)
             return
         if pending is None:
@@ -274,6 +277,8 @@ class Checkpointer:
         try:
             final = self._publish(pending)
         except (CheckpointError, OSError) as e:
+            if non_transient_cause(e) is not None:
+                raise
             self._fail(pending, e)
             return
         self.events.emit(

@@ -1,10 +1,19 @@
-"""The error for a bad parameter: it names the parameter the way the caller's user wrote it."""
+"""Errors every layer shares: a bad parameter (named the way the caller's user wrote it), and
+an error no restart can fix.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 from collections.abc import Iterator
 from typing import Literal
+
+FATAL_EXIT_CODE = 3
+"""A rank's (and ``rfsdp train``'s) exit code for an error no restart can fix. Below 128, so the
+training operator's ``restartPolicy: ExitCode`` treats it as permanent."""
+NON_TRANSIENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+"""OS errors whose cause is outside the job (a full disk, a read-only or forbidden path)."""
 
 
 class ParameterError(ValueError):
@@ -32,3 +41,32 @@ def as_pipeline_parameters() -> Iterator[None]:
         if e.style == "parameter":
             raise
         raise ParameterError(e.field, e.problem, style="parameter") from None
+
+
+class NonTransientError(Exception):
+    """An error whose cause is outside the job (corrupt input data, for example): restarting
+    the job cannot fix it, so the job ends instead of restarting in a loop.
+    """
+
+
+def non_transient_cause(error: BaseException) -> BaseException | None:
+    """The error in ``error``'s chain that no restart can fix, or None when a restart may help.
+
+    Follows ``__cause__`` and ``__context__``, and the per-rank failures of PyTorch DCP's
+    ``CheckpointException`` (``failures``: rank -> (exception, traceback)).
+    """
+    todo: list[BaseException | None] = [error]
+    seen: set[int] = set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, NonTransientError) or (isinstance(e, OSError) and e.errno in NON_TRANSIENT_ERRNOS):
+            return e
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            found = (f[0] if isinstance(f, tuple) and f else f for f in failures.values())
+            todo += [f for f in found if isinstance(f, BaseException)]
+    return None

@@ -185,10 +185,24 @@ class RunEnd(Event):
     exit_code: int | None = None
 
 
+@dataclass(frozen=True, kw_only=True)
+class Fatal(Event):
+    """An error no restart can fix (a full disk, a forbidden path, corrupt data), by the rank that
+    met it, which then ends its job (exit code ``trainer.errors.FATAL_EXIT_CODE``). ``job``: the
+    rendezvous id of that job; its launcher's later restarts of the ranks exit at once.
+    """
+
+    KIND: ClassVar[str] = "fatal"
+    error: str
+    job: str
+
+
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.KIND: cls
-    for cls in (RunStart, Step, Checkpoint, CheckpointFailed, Mirror, MirrorFailed, MirrorRestore, RunWarning, FaultFired, Restart, RunEnd)
-}
+    for cls in (
+        RunStart, Step, Checkpoint, CheckpointFailed, Mirror, MirrorFailed, MirrorRestore, RunWarning, FaultFired, Restart, Fatal, RunEnd,
+    )
+}  # fmt: skip
 E = TypeVar("E", bound=Event)
 
 
@@ -338,6 +352,11 @@ def session_finished(events: list[Event]) -> bool:
     """
     end = latest_end(events)
     return end is not None and end.status in ("completed", "stopped", "preempted")
+
+
+def fatal_error(events: Iterable[Event], job: str | None = None) -> Fatal | None:
+    """The first ``fatal`` event (of ``job``, when given), or None."""
+    return next((e for e in events if isinstance(e, Fatal) and job in (None, e.job)), None)
 
 
 def recovery_layer(prior: list[Event], *, in_process_iteration: int, in_job_restart: int) -> str | None:

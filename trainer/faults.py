@@ -34,6 +34,7 @@ RANK_KINDS = {
     "exit": f"the rank exits with code {EXIT_CODE} (in-job restart)",
     "sigterm": "the rank's container is preempted (every rank checkpoints and exits 0)",
     "corrupt-event": "rank 0 appends a torn line to events.jsonl (skipped and reported)",
+    "enospc": "the rank's next write fails: disk full (the job ends with a fatal event)",
 }
 NODE_KINDS = {
     "node-loss": "node-loss@STEP:NODE, the replica's host dies (--netns)",
@@ -160,6 +161,9 @@ class FaultInjector:
         if fault.kind == "sigterm":  # preemption of this rank's container: its PID 1, ft_launcher, forwards it to the
             os.kill(os.getppid(), signal.SIGTERM)  # other ranks; this rank gets it now, so the stop step is this one
             os.kill(os.getpid(), signal.SIGTERM)
+        if fault.kind == "enospc":  # a real write the kernel refuses: /dev/full always answers ENOSPC
+            with open("/dev/full", "wb", buffering=0) as full:
+                full.write(b"the rank's next write")
         if fault.kind == "hang":
             while True:  # blocked inside C (the sleep syscall), as a stuck kernel or driver would be
                 time.sleep(3600)

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trainer.errors import NonTransientError
 from trainer.fsutil import atomic_write_text, file_sha256
 
 MANIFEST = "manifest.json"
@@ -23,8 +24,8 @@ TOKENIZER = "bytes-utf8"
 TOKEN_DTYPE = "uint16"  # room for a larger vocabulary than bytes without a format change
 
 
-class DataError(ValueError):
-    """The data set is missing, malformed or corrupt."""
+class DataError(NonTransientError, ValueError):
+    """The data set is missing, malformed or corrupt (no restart fixes that)."""
 
 
 def builtin_corpus_text() -> str:

@@ -27,8 +27,8 @@ from typing import IO, Any, Protocol
 
 from trainer.data.prepare import local_data
 from trainer.data.shards import DataError, load_manifest, verify_shards
-from trainer.errors import ParameterError, as_pipeline_parameters
-from trainer.events import EventLog, EventTail, Restart, RunEnd, Step
+from trainer.errors import FATAL_EXIT_CODE, ParameterError, as_pipeline_parameters
+from trainer.events import EventLog, EventTail, Restart, RunEnd, Step, fatal_error, read_events
 from trainer.faults import NodeControl, NodeFault, NodeFaultInjector, parse_fault_spec
 from trainer.launch.spec import LaunchSpec
 from trainer.process import die_with_parent
@@ -260,9 +260,10 @@ def launch_local(
             (run_dir / RUN_CONFIG).write_text(json.dumps({k: getattr(cfg, k) for k in TRAJECTORY_FIELDS}, indent=2))
         log_dir = Path(log_dir or run_dir / "logs")
         log_dir.mkdir(parents=True, exist_ok=True)
+        job_id = f"rfsdp-{os.getpid()}"
         env = {
             **os.environ,
-            **operator_env(spec, rdzv_endpoint=placement.rdzv_endpoint(), job_id=f"rfsdp-{os.getpid()}"),
+            **operator_env(spec, rdzv_endpoint=placement.rdzv_endpoint(), job_id=job_id),
             "RFSDP_PORT_BASE": str(free_port_base()),
         }
         argv = worker_command(cfg, str(Path(sys.executable).parent / "ft_launcher"))
@@ -275,7 +276,7 @@ def launch_local(
         try:
             for replica in replicas:
                 replica.start()
-            code = _wait_with_progress(cfg, replicas, budget, injector, show=progress)
+            code = _wait_with_progress(cfg, replicas, budget, injector, job_id, show=progress)
         finally:
             for replica in replicas:  # a job still running here was interrupted: it is preempted
                 replica.stop(cfg.grace_period + 10)
@@ -328,10 +329,13 @@ def _terminate(proc: subprocess.Popen, grace_s: float) -> None:
     proc.wait()
 
 
-def _wait_with_progress(cfg: TrainConfig, replicas: list[_Replica], budget: int, injector: NodeFaultInjector | None, *, show: bool) -> int:
+def _wait_with_progress(
+    cfg: TrainConfig, replicas: list[_Replica], budget: int, injector: NodeFaultInjector | None, job_id: str, *, show: bool
+) -> int:
     """Wait for the replicas and return the job's exit code. While they run: show step, loss,
     tokens/s and restarts, fire node faults as the steps go by, and restart a failed replica
-    while ``budget`` lasts (a replica failing beyond it fails the job).
+    while ``budget`` lasts (a replica failing beyond it fails the job). After a ``fatal`` event
+    of this job nothing is restarted: the job ends with ``FATAL_EXIT_CODE``.
     """
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -351,6 +355,8 @@ def _wait_with_progress(cfg: TrainConfig, replicas: list[_Replica], budget: int,
             codes = [r.poll() for r in replicas]
             for replica, code in zip(replicas, codes, strict=True):
                 if code:
+                    if fatal_error(read_events(Path(cfg.run_dir)), job_id):
+                        return FATAL_EXIT_CODE
                     if budget <= 0:
                         return code  # a replica failed for good: the job has failed
                     budget -= 1

@@ -29,6 +29,7 @@ from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
 from trainer.checkpoint import CheckpointWriteError, SaveHooks, write_rank_checksums
+from trainer.errors import NonTransientError, non_transient_cause
 from trainer.process import die_with_parent
 from trainer.rank.config import Timeouts
 
@@ -65,7 +66,8 @@ def _write_shard(done: torch.Tensor, request_id: int, save_fn: Callable | None, 
         write_rank_checksums(Path(directory), rank)
         record = {"results": outcome, "buckets": len(write_buckets), "error": None}
     except Exception as e:  # reported to the training process, which agrees on it with the others
-        record = {"results": {}, "buckets": len(write_buckets), "error": f"{type(e).__name__}: {e}"}
+        errno = e.errno if isinstance(e, OSError) else None  # a full disk is not retried
+        record = {"results": {}, "buckets": len(write_buckets), "error": f"{type(e).__name__}: {e}", "errno": errno}
     with contextlib.suppress(OSError):  # the directory of an abandoned write may be gone already
         (Path(directory) / _outcome_name(rank)).write_bytes(pickle.dumps(record))
     done[0] = request_id
@@ -93,7 +95,7 @@ def _read_outcome(directory: Path, rank: int) -> list:
     record = pickle.loads(path.read_bytes())
     path.unlink()
     if record["error"]:
-        raise RuntimeError(record["error"])
+        raise OSError(record["errno"], record["error"]) if record.get("errno") else RuntimeError(record["error"])
     if len(record["results"]) != record["buckets"]:
         raise RuntimeError(f"incomplete worker results ({len(record['results'])} of {record['buckets']} files)")
     return list(chain.from_iterable(record["results"].values()))
@@ -233,16 +235,22 @@ class AsyncCheckpointWriter:
 
 
 def _agree_and_finalize(started: _StartedWrite, group: dist.ProcessGroup) -> None:
-    """All ranks agree whether every shard was written; then rank 0 writes DCP's ``.metadata``."""
+    """All ranks agree whether every shard was written, and whether a failure is one no restart
+    can fix (then every rank ends the job alike); then rank 0 writes DCP's ``.metadata``.
+    """
     error = None
     try:
         results = _read_outcome(started.directory, dist.get_rank())
     except (OSError, RuntimeError, pickle.UnpicklingError, EOFError, KeyError) as e:
         error, results = e, []
-    ok = torch.tensor([0 if error else 1], dtype=torch.int32)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-    if not ok.item():
-        raise CheckpointWriteError(f"background write failed: {error or 'on another rank'}")
+    verdict = 1 if error is None else -1 if non_transient_cause(error) else 0
+    agreed = torch.tensor([verdict], dtype=torch.int32)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    if agreed.item() < 1:
+        failure = CheckpointWriteError(f"background write failed: {error or 'on another rank'}")
+        if agreed.item() < 0:
+            raise failure from (error if verdict < 0 else NonTransientError("another rank's write met an error no restart can fix"))
+        raise failure
     all_results = started.dist_wrapper.gather_object(results)
     if started.dist_wrapper.is_coordinator:
         started.fs_writer.finish(started.metadata, all_results)
@@ -324,7 +332,9 @@ def run_restartable(train_fn: Callable[[Attempt], None], timeouts: Timeouts, *, 
     """
     base = _port_base()
     wrapper = inprocess.Wrapper(
-        initialize=inprocess.initialize.RetryController(max_iterations=max_restarts + 1),
+        # A rank that is gone (killed, or ended by a fatal error) is never trained without: the
+        # wrapper would shrink the world; in-job restart brings the whole job back instead.
+        initialize=inprocess.initialize.RetryController(max_iterations=max_restarts + 1, min_world_size=int(os.environ["WORLD_SIZE"])),
         store_kwargs={"port": base, "timeout": datetime.timedelta(seconds=timeouts.barrier)},
         health_check=inprocess.health_check.CudaHealthCheck() if cuda else None,
         soft_timeout=datetime.timedelta(seconds=timeouts.soft),

@@ -10,6 +10,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import signal
@@ -25,7 +26,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from trainer.checkpoint import Checkpointer, CheckpointWriter, SyncDcpWriter, load_tensors, published_checkpoints, rank_state_file
 from trainer.data.prepare import local_data
 from trainer.data.shards import TokenLoader, load_split
-from trainer.events import EventLog, RunEnd, RunStart, Step, describe_restart, read_events, recovery_layer
+from trainer.errors import FATAL_EXIT_CODE, non_transient_cause
+from trainer.events import EventLog, Fatal, RunEnd, RunStart, Step, describe_restart, fatal_error, read_events, recovery_layer
 from trainer.faults import FaultInjector
 from trainer.process import die_with_parent
 from trainer.rank.config import Timeouts, TrainConfig, add_train_arguments
@@ -102,7 +104,34 @@ class Preemption:
 
 
 def train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror | None, preemption: Preemption, attempt: Attempt) -> None:
-    """One incarnation of the training function: set up, resume, loop, finish (``mirror``: rank 0's, if any)."""
+    """One incarnation of the training function (``mirror``: rank 0's, if any). An error no
+    restart can fix ends the job here, before in-process restart could retry it.
+    """
+    try:
+        _train(cfg, writer, mirror, preemption, attempt)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        if (cause := non_transient_cause(e)) is None:
+            raise
+        end_job_fatally(Path(cfg.run_dir), cause)
+
+
+def end_job_fatally(run_dir: Path, cause: BaseException) -> None:
+    """Record ``cause`` (a ``fatal`` event; stderr too, since a full disk may refuse the event)
+    and exit at once with ``FATAL_EXIT_CODE``: the peers' collectives fail and the launcher
+    stops them; its restarts of this job exit at once (:func:`main`).
+    """
+    error = f"{type(cause).__name__}: {cause}"
+    print(f"rank {os.environ.get('RANK')}: fatal, no restart can fix this: {error}", file=sys.stderr, flush=True)
+    with contextlib.suppress(OSError):
+        EventLog(run_dir, int(os.environ.get("RANK", 0))).emit(Fatal(error=error, job=_job_id()))
+    os._exit(FATAL_EXIT_CODE)  # not an exception: in-process restart would retry it
+
+
+def _job_id() -> str:
+    return os.environ.get("TORCHELASTIC_RUN_ID", "")
+
+
+def _train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror | None, preemption: Preemption, attempt: Attempt) -> None:
     rt = detect_runtime()
     timeouts = Timeouts(cfg.hang_timeout, cfg.inprocess_restart)
     init_process_group(rt, make_store(attempt, timeouts.barrier), timeouts.collective)
@@ -171,6 +200,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_arguments(parser)
     cfg = TrainConfig.from_mapping(vars(parser.parse_args(argv)))
+    # ft_launcher restarts failed ranks whatever the cause: after a fatal error in this job, its
+    # restarts end at once (a new job, once the cause is fixed, starts normally).
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) and (fatal := fatal_error(read_events(Path(cfg.run_dir)), _job_id())):
+        print(f"rank {os.environ.get('RANK')}: not restarting, the job met an error no restart can fix: {fatal.error}", file=sys.stderr)
+        sys.exit(FATAL_EXIT_CODE)
     cuda = torch.cuda.is_available()
     die_with_parent()  # a launcher that is gone preempts this rank: nothing outlives it
     # One writer per process: its background worker survives in-process restarts.
