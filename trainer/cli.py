@@ -15,7 +15,8 @@ from pathlib import Path
 
 from trainer.data import BUILTIN_CORPUS
 from trainer.data.prepare import DEFAULT_SHARD_TOKENS
-from trainer.events import latest_end, read_events
+from trainer.errors import FATAL_EXIT_CODE
+from trainer.events import fatal_error, latest_end, read_events
 from trainer.launch.spec import LaunchSpec
 from trainer.rank.config import TrainConfig, add_train_arguments
 from trainer.results.tracking import DEFAULT_EXPERIMENT
@@ -51,7 +52,11 @@ def _train(args: argparse.Namespace) -> int:
         print(f"rfsdp train: preempted at step {end.step}, checkpointed: the same command resumes it", file=sys.stderr)
         code = 0
     if code:
-        print(f"rfsdp train: the job failed (exit code {code}); logs in {Path(cfg.run_dir) / 'logs'}", file=sys.stderr)
+        logs = Path(cfg.run_dir) / "logs"
+        if code == FATAL_EXIT_CODE and (fatal := fatal_error(read_events(Path(cfg.run_dir)))):
+            print(f"rfsdp train: stopped for good on rank {fatal.rank}, no restart can fix: {fatal.error}; logs in {logs}", file=sys.stderr)
+            return FATAL_EXIT_CODE
+        print(f"rfsdp train: the job failed (exit code {code}); logs in {logs}", file=sys.stderr)
         return 1
     from trainer.results.summary import print_run_summary
 
