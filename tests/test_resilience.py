@@ -24,10 +24,12 @@ import torch
 from tests.conftest import ROOT, losses, train
 from tests.test_training import assert_same_tensors
 from trainer.checkpoint import CHECKPOINTS, latest_checkpoint, read_full_state, step_dir_name, verify_checkpoint
+from trainer.errors import FATAL_EXIT_CODE
 from trainer.events import (
     SAVE_PHASES,
     Checkpoint,
     CheckpointFailed,
+    Fatal,
     FaultFired,
     Restart,
     RunEnd,
@@ -152,6 +154,28 @@ def test_restarts_exhausted_keeps_last_good_checkpoint(data_dir: Path, tmp_path:
     events = read_events(run)
     assert isinstance(events[-1], RunEnd) and events[-1].status == "failed"
     assert latest_checkpoint(run).name == "step_000020"
+    verify_checkpoint(latest_checkpoint(run))
+
+
+def test_a_full_disk_ends_the_job_for_good_and_keeps_the_last_checkpoint(data_dir: Path, tmp_path: Path) -> None:
+    """ENOSPC on rank 1 (a real write to /dev/full): no in-process restart, a fatal event, ft_launcher's
+    bounded restarts of the job exit at once, ``rfsdp train`` exits 3 naming the error."""
+    run = tmp_path / "run"
+    proc = train(data_dir, run, "--steps", "30", "--ckpt-every", "5", "--fault", "enospc@12:1", "--max-restarts", "2", check=False)
+    assert proc.returncode == FATAL_EXIT_CODE, proc.stderr
+    assert "no restart can fix" in proc.stderr and "No space left on device" in proc.stderr
+    events = read_events(run)
+    (fatal,) = [e for e in events if isinstance(e, Fatal)]
+    assert fatal.rank == 1 and "[Errno 28]" in fatal.error and fatal.job
+    assert not [e for e in events if isinstance(e, Restart)]  # no recovery was attempted
+    assert max(e.step for e in events if isinstance(e, Step)) <= 12
+    assert isinstance(events[-1], RunEnd) and (events[-1].status, events[-1].exit_code) == ("failed", FATAL_EXIT_CODE)
+    # ft_launcher restarted the workers (it restarts any failure) within its budget; each exited at once.
+    log = (run / "logs" / "replica_0.log").read_text()
+    assert 1 <= log.count("will restart worker group") <= 2
+    assert log.count("not restarting, the job met an error no restart can fix") == 2 * log.count("will restart worker group")
+    published = [e.step for e in events if isinstance(e, Checkpoint)]
+    assert published and latest_checkpoint(run).name == step_dir_name(published[-1])
     verify_checkpoint(latest_checkpoint(run))
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from trainer.data.shards import DataError, TokenLoader, decode, encode, load_manifest, load_split, prepare_tokens, verify_shards
 from trainer.events import EventLog, FaultFired, Restart, RunEnd, RunStart, Step, describe_restart, final_losses, parse_event_lines
@@ -224,3 +226,34 @@ def test_run_dir_lock_refuses_a_second_holder_and_takes_over_a_stale_one(tmp_pat
     (run / RUN_DIR_LOCK).write_text("pid 1 on a-host-that-died since yesterday\n")  # a holder that died: nothing holds the lock
     with hold_run_dir(run):
         assert f"pid {os.getpid()} on " in (run / RUN_DIR_LOCK).read_text()
+
+
+def test_errors_no_restart_can_fix_are_found_in_the_chain(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from trainer.checkpoint import CheckpointWriteError
+    from trainer.errors import non_transient_cause
+    from trainer.rank.resilience import _read_outcome, _write_shard
+
+    def write_to_full_disk(rank: int, buckets: list, results: object) -> None:
+        with open("/dev/full", "wb", buffering=0) as f:  # the kernel's ENOSPC
+            f.write(b"shard")
+
+    # A background write that meets a full disk reports its errno; the training process gets an OSError back.
+    done = torch.zeros(1, dtype=torch.int64)
+    _write_shard(done, 7, write_to_full_disk, str(tmp_path), 0, [])
+    assert int(done[0]) == 7
+    with pytest.raises(OSError) as caught:
+        _read_outcome(tmp_path, 0)
+    assert caught.value.errno == errno.ENOSPC and non_transient_cause(caught.value) is caught.value
+
+    disk_full = OSError(errno.ENOSPC, "No space left on device")
+    try:
+        raise CheckpointWriteError("background write failed") from disk_full
+    except CheckpointWriteError as e:
+        assert non_transient_cause(e) is disk_full
+    dcp_failure = CheckpointException("save failed", {1: (disk_full, None)})  # how DCP reports a rank's failure
+    assert non_transient_cause(dcp_failure) is disk_full
+    assert isinstance(non_transient_cause(DataError("shard train_000.bin fails its checksum")), DataError)
+    assert non_transient_cause(OSError(errno.ECONNRESET, "peer gone")) is None  # a restart helps there
+    assert non_transient_cause(CheckpointWriteError("background write failed: on another rank")) is None
