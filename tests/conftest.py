@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.reaper import reap_test_processes  # noqa: F401 (autouse: a test's processes end with it)
 from trainer.data import BUILTIN_CORPUS
 from trainer.data.shards import builtin_corpus_text, prepare_tokens
 from trainer.events import final_losses, read_events

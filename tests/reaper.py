@@ -1,0 +1,73 @@
+"""Every process a test starts ends with the test, however the test ends (a failure, a timeout).
+
+A test's processes carry a tag in their environment, which every child inherits, also one that
+starts its own session or outlives its parent (a launcher's ranks, a background writer, a server).
+After the test, whatever still carries the tag is killed. Processes that fixtures of a wider scope
+start (a session's MLflow server) are started before the tag is set and live on.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+TAG_ENV = "RFSDP_TEST_PROCESS_TAG"
+
+
+def tagged_processes(tag: str) -> list[int]:
+    """Live processes whose environment carries ``tag``."""
+    needle = f"{TAG_ENV}={tag}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0") and alive(int(entry.name)):
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie waiting for its parent has ended)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def kill_tagged(tag: str, *, rounds: int = 20) -> list[int]:
+    """SIGKILL every process carrying ``tag`` (again, while some fork as they die); returns them."""
+    killed: list[int] = []
+    for _ in range(rounds):
+        pids = tagged_processes(tag)
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            killed.append(pid)
+        time.sleep(0.05)
+    return killed
+
+
+@pytest.fixture(autouse=True)
+def reap_test_processes() -> Iterator[None]:
+    """Tag the processes this test starts; kill whatever of them is left when it ends."""
+    tag = uuid.uuid4().hex
+    os.environ[TAG_ENV] = tag
+    try:
+        yield
+    finally:
+        del os.environ[TAG_ENV]
+        kill_tagged(tag)
