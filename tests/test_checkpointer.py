@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +16,10 @@ import torch.distributed as dist
 
 from trainer.checkpoint import (
     CHECKPOINTS,
+    MANIFEST,
+    SIGNING_KEY_ENV,
     Checkpointer,
+    CheckpointError,
     CheckpointWriteError,
     SaveHooks,
     latest_checkpoint,
@@ -25,6 +29,7 @@ from trainer.checkpoint import (
     write_rank_checksums,
 )
 from trainer.events import SAVE_PHASES, Checkpoint, CheckpointFailed, EventLog, RunWarning, read_events, select
+from trainer.fsutil import file_sha256
 
 
 @pytest.fixture(scope="module")
@@ -184,3 +189,37 @@ def test_async_writer_never_finalizes_an_earlier_incarnations_write(one_rank: No
         assert latest_checkpoint(tmp_path).name == step_dir_name(2)
     finally:
         writer.close()
+
+
+def test_with_a_signing_key_only_signed_checkpoints_load(
+    one_rank: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Someone who can write the checkpoint's storage replaces a shard and rewrites its checksum in
+    the manifest: checksums alone cannot tell; the signature can."""
+    monkeypatch.setenv(SIGNING_KEY_ENV, "the run's secret")
+    run_steps(checkpointer(tmp_path, FakeWriter()), last=6)
+    newest = latest_checkpoint(tmp_path)
+    verify_checkpoint(newest)
+    manifest = json.loads((newest / MANIFEST).read_text())
+    assert len(manifest["signature"]) == 64
+    (newest / "__0_0.distcp").write_bytes(b"someone else's tensors")
+    manifest["files"]["__0_0.distcp"] = {"size": 22, "sha256": file_sha256(newest / "__0_0.distcp")}
+    (newest / MANIFEST).write_text(json.dumps(manifest))
+
+    with pytest.raises(CheckpointError, match="signature that does not match"):
+        verify_checkpoint(newest)
+    loaded: list[Path] = []
+    assert checkpointer(tmp_path, FakeWriter()).load_latest(loaded.append) == 3  # the altered one is skipped
+    skipped, repaired = select(read_events(tmp_path), RunWarning)
+    assert (skipped.kind, skipped.step, repaired.kind) == ("checkpoint_skipped", 6, "latest_repaired")
+
+    monkeypatch.setenv(SIGNING_KEY_ENV, "another key")
+    with pytest.raises(CheckpointError, match="signature that does not match"):
+        verify_checkpoint(tmp_path / CHECKPOINTS / step_dir_name(3))
+    monkeypatch.delenv(SIGNING_KEY_ENV)
+    verify_checkpoint(newest)  # without a key, checksums are all there is: the altered one passes
+    unsigned = tmp_path / "unsigned"
+    run_steps(checkpointer(unsigned, FakeWriter()), last=3)
+    monkeypatch.setenv(SIGNING_KEY_ENV, "the run's secret")
+    with pytest.raises(CheckpointError, match="is not signed"):
+        verify_checkpoint(latest_checkpoint(unsigned))

@@ -12,6 +12,8 @@ background writer in ``trainer.rank.resilience``.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import re
@@ -35,6 +37,10 @@ from trainer.fsutil import atomic_write_text, file_sha256, fsync_dir
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 MANIFEST = "manifest.json"
+SIGNING_KEY_ENV = "RFSDP_CHECKPOINT_KEY"
+"""When set (from a secret), every manifest written is signed (HMAC-SHA256) with it, and every
+checkpoint loaded must carry a valid signature: a checkpoint from object storage that someone
+else wrote or altered, checksums included, is refused before anything in it is unpickled."""
 _PUBLISHED = re.compile(r"^step_(\d{6})$")
 
 
@@ -310,6 +316,8 @@ class Checkpointer:
             files.update(json.loads(path.read_text()))
         files[".metadata"] = {"size": (tmp / ".metadata").stat().st_size, "sha256": file_sha256(tmp / ".metadata")}
         manifest = {"step": pending.step, "world_size": self.world_size, "fingerprint": self.fingerprint, "files": files}
+        if (key := signing_key()) is not None:
+            manifest["signature"] = manifest_signature(manifest, key)
         atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
         final = self.root / step_dir_name(pending.step)
         if final.exists():  # a published one that failed verification at resume: keep it aside
@@ -358,13 +366,18 @@ def verify_checkpoint(path: Path, *, fingerprint: str | None = None, world_size:
 
     Raises:
         CheckpointError: naming the first problem (missing manifest or file, wrong size,
-            checksum mismatch, other config or world size).
+            checksum mismatch, other config or world size; with ``$RFSDP_CHECKPOINT_KEY`` set, a
+            missing or wrong signature).
     """
     path = Path(path)
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path.name}: unreadable manifest ({e})") from e
+    key = signing_key()
+    if key is not None and not hmac.compare_digest(str(manifest.get("signature", "")), manifest_signature(manifest, key)):
+        problem = "is not signed" if "signature" not in manifest else "has a signature that does not match"
+        raise CheckpointError(f"{path.name}: its manifest {problem} the key in ${SIGNING_KEY_ENV}")
     if fingerprint is not None and manifest.get("fingerprint") != fingerprint:
         raise CheckpointError(f"{path.name}: written by another training config")
     if world_size is not None and manifest.get("world_size") != world_size:
@@ -378,6 +391,18 @@ def verify_checkpoint(path: Path, *, fingerprint: str | None = None, world_size:
         if checksums and file_sha256(file) != rec["sha256"]:
             raise CheckpointError(f"{path.name}: {name} fails its checksum")
     return manifest
+
+
+def signing_key() -> bytes | None:
+    """The checkpoint signing key of this process (``$RFSDP_CHECKPOINT_KEY``), None when unset."""
+    key = os.environ.get(SIGNING_KEY_ENV)
+    return key.encode() if key else None
+
+
+def manifest_signature(manifest: dict, key: bytes) -> str:
+    """HMAC-SHA256 of the manifest's content (every field but the signature itself)."""
+    body = json.dumps({k: v for k, v in manifest.items() if k != "signature"}, sort_keys=True, separators=(",", ":"))
+    return hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
