@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 from pathlib import Path
@@ -128,8 +129,21 @@ def test_describe_restart_measures_from_the_fault() -> None:
         *(Step(time=float(s), step=s, loss=1.0, step_time_s=0.5) for s in range(1, 15)),
         FaultFired(time=14.5, kind="exception", step=15),
     ]
-    r = describe_restart(prior, layer="in_process", resumed_from=10, first_step_time=20.0)
+    first = Step(time=20.0, step=11, loss=1.0, step_time_s=0.5)
+    r = describe_restart(prior, layer="in_process", resumed_from=10, first_step=first)
     assert r == Restart(layer="in_process", attempt=1, resumed_from_step=10, lost_steps=4, recovery_s=5.5)
+
+
+def test_recovery_is_measured_on_the_clock_of_the_host_that_saw_it_end() -> None:
+    """The fault's host runs 100 s ahead: its time is not subtracted from the first step's; the
+    last step the first step's host completed before the fault is used instead."""
+    steps = [Step(time=float(s), host="node-0", step=s, loss=1.0, step_time_s=0.5) for s in range(1, 15)]
+    fault = FaultFired(time=114.5, host="node-1", rank=1, kind="sigkill", step=15)
+    first = Step(time=20.0, host="node-0", step=11, loss=1.0, step_time_s=0.5)
+    prior = [RunStart(time=0.0, host="node-0", config={}, resumed_from_step=0, world_size=2), *steps, fault]
+    assert describe_restart(prior, layer="in_job", resumed_from=10, first_step=first).recovery_s == 20.0 - 14.0
+    same_host = dataclasses.replace(fault, time=14.5, host="node-0")
+    assert describe_restart([*prior[:-1], same_host], layer="in_job", resumed_from=10, first_step=first).recovery_s == 5.5
 
 
 def test_torn_event_lines_are_skipped() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 import statistics
 import time
 from collections.abc import Iterable, Iterator
@@ -31,11 +32,13 @@ RESTART_LAYERS = ("in_process", "in_job")
 
 @dataclass(frozen=True, kw_only=True)
 class Event:
-    """What every event has; ``time`` and ``rank`` are stamped by :meth:`EventLog.emit`."""
+    """What every event has; ``time``, ``rank`` and ``host`` are stamped by :meth:`EventLog.emit`."""
 
     KIND: ClassVar[str] = ""
     time: float = 0.0
     rank: int = 0
+    host: str = ""
+    """The writer's host name: times written on one host share a clock."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -229,10 +232,11 @@ class EventLog:
     def __init__(self, run_dir: Path, rank: int) -> None:
         self.path = Path(run_dir) / EVENTS_FILE
         self.rank = rank
+        self.host = socket.gethostname()
 
     def emit(self, event: E) -> E:
-        """Append one event, stamped with the time and this log's rank; returns the stamped event."""
-        event = dataclasses.replace(event, time=time.time(), rank=self.rank)
+        """Append one event, stamped with the time, this log's rank and host; returns the stamped event."""
+        event = dataclasses.replace(event, time=time.time(), rank=self.rank, host=self.host)
         line = (json.dumps(to_record(event)) + "\n").encode()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
@@ -374,23 +378,31 @@ def recovery_layer(prior: list[Event], *, in_process_iteration: int, in_job_rest
     return "in_job" if bounds and isinstance(bounds[-1], RunStart) else None
 
 
-def describe_restart(prior: list[Event], *, layer: str, resumed_from: int, first_step_time: float) -> Restart:
+def describe_restart(prior: list[Event], *, layer: str, resumed_from: int, first_step: Step) -> Restart:
     """The ``restart`` event for a recovery, from the events written before it.
 
-    ``recovery_s`` runs from the fault (its ``fault`` event; for a fault that was not injected,
-    the last step completed before it) to the first step completed after it. ``lost_steps`` are
-    the steps done since ``resumed_from`` that must be redone.
+    ``recovery_s`` runs from the fault to ``first_step``, the first step completed after it, on
+    one clock: from the ``fault`` event when the host that wrote it also wrote ``first_step``;
+    otherwise (a fault on another host, or not injected) from the last step that host completed
+    before the fault, which may add up to one step's time. ``lost_steps`` are the steps done since
+    ``resumed_from`` that must be redone.
     """
-    since = max((e.time for e in prior if isinstance(e, Restart | RunStart)), default=0.0)
-    faults = [e.time for e in select(prior, FaultFired) if e.time >= since]
+    # File order, not timestamps, says what happened since the last (re)start: no clock involved.
+    since = max((i for i, e in enumerate(prior) if isinstance(e, Restart | RunStart)), default=-1)
+    faults = [i for i, e in enumerate(prior) if i > since and isinstance(e, FaultFired)]
+    fault = prior[faults[-1]] if faults else None
+    if fault is not None and fault.host == first_step.host:
+        start = fault.time
+    else:  # the last step this host completed before the fault (in file order: no other clock involved)
+        before = prior[: faults[-1]] if faults else prior
+        start = max((e.time for e in before if isinstance(e, Step) and e.host == first_step.host), default=first_step.time)
     steps = select(prior, Step)
-    fault_time = faults[-1] if faults else max((e.time for e in steps), default=first_step_time)
     return Restart(
         layer=layer,
         attempt=1 + len(select(prior, Restart)),
         resumed_from_step=resumed_from,
         lost_steps=max(0, max((e.step for e in steps), default=resumed_from) - resumed_from),
-        recovery_s=first_step_time - fault_time,
+        recovery_s=first_step.time - start,
     )
 
 

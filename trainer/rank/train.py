@@ -184,7 +184,7 @@ def _train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror 
         if rt.rank == 0:
             done = events.emit(Step(step=step, loss=loss, step_time_s=step_time, tokens=tokens_per_step))
             if layer and step == start + 1:
-                events.emit(describe_restart(prior, layer=layer, resumed_from=start, first_step_time=done.time))
+                events.emit(describe_restart(prior, layer=layer, resumed_from=start, first_step=done))
         checkpointer.step(step, partial(state.snapshot, step), last=step == last or stop)  # last: waits until published
         if stop:
             break
