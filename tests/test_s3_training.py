@@ -4,6 +4,7 @@ resume on an empty machine, an S3 outage in the middle of an upload, a corrupt r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import socket
@@ -17,7 +18,7 @@ import pytest
 from moto.server import ThreadedMotoServer
 
 from tests.conftest import losses, rfsdp, train
-from trainer.checkpoint import CHECKPOINTS, latest_checkpoint, verify_checkpoint
+from trainer.checkpoint import CHECKPOINTS, CheckpointError, latest_checkpoint, published_checkpoints, verify_checkpoint
 from trainer.data.shards import builtin_corpus_text, load_manifest
 from trainer.events import Mirror, MirrorFailed, MirrorRestore, RunEnd, RunStart, RunWarning, Step, final_losses, read_events
 from trainer.rank.config import TrainConfig
@@ -243,3 +244,30 @@ def test_round_trip_through_s3_resumes_exactly(mirrored_run: MirroredRun, data_d
     assert warning.step == 60 and warning.kind == "checkpoint_skipped"
     assert f"{remote_run}/checkpoints/step_000060/__0_0.distcp fails its checksum" in warning.reason
     assert latest_checkpoint(third).name == "step_000050" and not list((third / CHECKPOINTS).glob("*.tmp*"))
+
+
+def test_validating_a_mirrored_run_leaves_the_mirror_and_the_run_untouched(mirrored_run: MirroredRun, tmp_path: Path) -> None:
+    """A copy of the run whose recorded config names the production mirror: the validator's replay
+    and reshard write to neither (every remote object keeps its ETag and time; the run's record
+    keeps its files and mtimes; an s3:// data set's verified cache is the one thing added)."""
+    fetched = fetch_run_dir(mirrored_run.remote_run, tmp_path / "fetched")
+    assert any(e.config.get("checkpoint_uri") == mirrored_run.remote_run for e in read_events(fetched) if isinstance(e, RunStart))
+    intact = []  # another test in this module may have damaged the newest remote checkpoint
+    for _, path in published_checkpoints(fetched / CHECKPOINTS):
+        with contextlib.suppress(CheckpointError):
+            intact.append(verify_checkpoint(path)["step"])
+    s3 = boto3.client("s3")
+
+    def remote() -> dict[str, tuple]:
+        pages = s3.get_paginator("list_objects_v2").paginate(Bucket=mirrored_run.bucket)
+        return {o["Key"]: (o["ETag"], o["LastModified"], o["Size"]) for page in pages for o in page.get("Contents", [])}
+
+    def record() -> dict[str, tuple[int, int]]:
+        files = (p for p in fetched.rglob("*") if p.is_file() and "data_cache" not in p.parts)
+        return {str(p.relative_to(fetched)): (p.stat().st_mtime_ns, p.stat().st_size) for p in files}
+
+    remote_before, record_before = remote(), record()
+    proc = rfsdp("validate", "--run-dir", str(fetched), "--step", str(intact[-1]), timeout=600)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["valid"], proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert remote() == remote_before
+    assert record() == record_before

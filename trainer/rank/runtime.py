@@ -75,8 +75,11 @@ def build_fsdp_model(size: ModelSize, rt: Runtime, seed: int) -> Transformer:
 
 
 def rng_state() -> dict:
-    """This rank's random generator states (for the checkpoint)."""
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    """This rank's random generator states (for the checkpoint). Python's process-wide generator
+    is not among them: training never draws from it, and libraries in the process do (botocore's
+    retry jitter in the mirror's thread), so its state says nothing about the trajectory.
+    """
+    state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -84,7 +87,6 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     """Restore what :func:`rng_state` returned."""
-    random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
