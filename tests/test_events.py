@@ -6,6 +6,9 @@ import ast
 import dataclasses
 import json
 import re
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -119,3 +122,23 @@ def test_the_log_stamps_time_and_rank_and_the_tail_sees_only_new_events(tmp_path
     assert tail.new() == [FaultFired(kind="exception", step=2, time=5.0, rank=0)]
     assert [type(e) for e in read_events(tmp_path)] == [RunStart, Step, FaultFired]
     assert first_run_start_line(log.path) == log.path.read_bytes().splitlines(keepends=True)[0]
+
+
+def test_an_event_is_appended_under_the_file_lock(tmp_path: Path) -> None:
+    """Another process (another host over NFS) holding the lock keeps the append waiting."""
+    log = EventLog(tmp_path, rank=0)
+    log.emit(RunStart(config={}, resumed_from_step=0, world_size=1))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"import fcntl, os, sys; fd = os.open({str(log.path)!r}, os.O_WRONLY); fcntl.lockf(fd, fcntl.LOCK_EX); "
+         "print('locked', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert holder.stdout.readline().strip() == "locked"
+    writer = threading.Thread(target=log.emit, args=(Step(step=1, loss=1.0, step_time_s=0.1),))
+    writer.start()
+    writer.join(0.5)
+    assert writer.is_alive() and [type(e) for e in read_events(tmp_path)] == [RunStart]
+    holder.stdin.close()  # the holder exits: its lock goes with it
+    holder.wait(10)
+    writer.join(10)
+    assert [type(e) for e in read_events(tmp_path)] == [RunStart, Step]

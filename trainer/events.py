@@ -7,13 +7,15 @@ trainer, the validator, MLflow tracking, the notebook and the benchmarks cannot 
 ``docs/events.md`` documents the same kinds and fields (a test holds the two together).
 
 On disk each line is one JSON object: ``event`` (the kind), ``time`` (unix seconds), ``rank``
-(-1: the launcher) and the kind's fields. Lines are written with a single ``O_APPEND`` write so
-that several processes can share the file; a line torn by a killed writer is skipped on reading.
+(-1: the launcher) and the kind's fields. Lines are written with a single ``O_APPEND`` write under
+a POSIX lock so that several processes (on several hosts, over NFS too) can share the file; a line
+torn by a killed writer is skipped on reading.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import socket
@@ -240,6 +242,10 @@ class EventLog:
         line = (json.dumps(to_record(event)) + "\n").encode()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
+            # O_APPEND alone is atomic on a local file system, not on NFS (a ReadWriteMany volume),
+            # where the client appends at the end it last saw; taking a POSIX lock makes it
+            # revalidate the file first. A writer that dies releases its lock with it.
+            fcntl.lockf(fd, fcntl.LOCK_EX)
             os.write(fd, line)
         finally:
             os.close(fd)
