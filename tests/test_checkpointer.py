@@ -30,6 +30,7 @@ from trainer.checkpoint import (
 )
 from trainer.events import SAVE_PHASES, Checkpoint, CheckpointFailed, EventLog, RunWarning, read_events, select
 from trainer.fsutil import file_sha256
+from trainer.storage.mirror import CheckpointMirror
 
 
 @pytest.fixture(scope="module")
@@ -191,9 +192,7 @@ def test_async_writer_never_finalizes_an_earlier_incarnations_write(one_rank: No
         writer.close()
 
 
-def test_with_a_signing_key_only_signed_checkpoints_load(
-    one_rank: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_with_a_signing_key_only_signed_checkpoints_load(one_rank: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Someone who can write the checkpoint's storage replaces a shard and rewrites its checksum in
     the manifest: checksums alone cannot tell; the signature can."""
     monkeypatch.setenv(SIGNING_KEY_ENV, "the run's secret")
@@ -223,3 +222,25 @@ def test_with_a_signing_key_only_signed_checkpoints_load(
     monkeypatch.setenv(SIGNING_KEY_ENV, "the run's secret")
     with pytest.raises(CheckpointError, match="is not signed"):
         verify_checkpoint(latest_checkpoint(unsigned))
+
+
+def test_resume_offers_its_checkpoint_to_the_mirror_once(one_rank: None, tmp_path: Path) -> None:
+    """Rank 0 died after publishing step 6 but before its upload: the resume uploads it; a
+    resume from a checkpoint the remote already has uploads nothing again."""
+    run, remote = tmp_path / "run", tmp_path / "remote"
+    mirror = CheckpointMirror(str(remote), run, keep_last=2)
+    run_steps(checkpointer(run, FakeWriter(), on_published=mirror.submit), last=3)
+    assert mirror.close()
+    run_steps(checkpointer(run, FakeWriter(), keep_last=3), last=6)  # steps 4-6 again, step 6 never mirrored
+    assert (remote / CHECKPOINTS / "latest").read_text() == step_dir_name(3) + "\n"
+
+    def resume() -> int:
+        """Resume with the mirror on; returns the remote step-6 shard's mtime."""
+        mirror = CheckpointMirror(str(remote), run, keep_last=2)
+        assert checkpointer(run, FakeWriter(), on_published=mirror.submit).load_latest(lambda path: None) == 6
+        assert mirror.close()
+        assert (remote / CHECKPOINTS / "latest").read_text() == step_dir_name(6) + "\n"
+        verify_checkpoint(remote / CHECKPOINTS / step_dir_name(6))
+        return (remote / CHECKPOINTS / step_dir_name(6) / "__0_0.distcp").stat().st_mtime_ns
+
+    assert resume() == resume()  # the second resume found it there and uploaded nothing

@@ -199,7 +199,8 @@ class Checkpointer:
 
         ``load`` receives the chosen directory and restores model, optimizer and rank state.
         Invalid checkpoints are skipped with a ``warning`` event. ``latest`` is pointed at the
-        chosen one if it names another (rank 0 died between publishing and moving it).
+        chosen one if it names another (rank 0 died between publishing and moving it), and the
+        chosen one is handed to ``on_published`` again (rank 0 may have died before its upload).
         """
         chosen = [None]
         if self.rank == 0:
@@ -219,7 +220,10 @@ class Checkpointer:
         dist.broadcast_object_list(chosen, src=0, group=self.group)
         if chosen[0] is None:
             return 0
-        load(self.root / step_dir_name(chosen[0]))
+        path = self.root / step_dir_name(chosen[0])
+        load(path)
+        if self.rank == 0 and self.on_published is not None:  # its upload may have been cut (the mirror skips what it has)
+            self.on_published(path)
         return chosen[0]
 
     # ------------------------------------------------------------------ save

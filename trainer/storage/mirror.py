@@ -170,8 +170,15 @@ class CheckpointMirror:
             return
 
     def _upload(self, checkpoint: Path) -> int:
-        """Upload one checkpoint, verify every object, then move the remote ``latest``; returns bytes."""
+        """Upload one checkpoint, verify every object, then move the remote ``latest``; returns bytes.
+
+        A checkpoint the remote ``latest`` already names (offered again at a resume) is complete
+        there: only the run's files are brought up to date.
+        """
         manifest = json.loads((checkpoint / MANIFEST).read_text())
+        if remote_latest(self.store) == checkpoint.name:
+            self._upload_run_files()
+            return sum(rec["size"] for rec in manifest["files"].values())
         prefix = f"{CHECKPOINTS}/{checkpoint.name}"
         for name, rec in sorted(manifest["files"].items()):
             self.store.upload(checkpoint / name, f"{prefix}/{name}", sha256=rec["sha256"])
