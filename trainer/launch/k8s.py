@@ -8,14 +8,17 @@ container named ``pytorch``, restartPolicy OnFailure, a run policy, the shared v
 the data and the run dir, GPUs and resources, and a memory-backed ``/dev/shm``.
 
 ``run_pytorchjob`` creates the job with ``TrainingClient``, streams worker 0's log, waits for
-Succeeded or Failed, deletes the job when the caller is cancelled, and raises ``JobFailed`` with
-the job's own reason.
+Succeeded or Failed, deletes the job when the caller is cancelled (and waits until its pods have
+stopped), and raises ``JobFailed`` with the job's own reason. Every call it makes is one the Role
+in ``deploy/rbac.yaml`` grants; ``tests/test_cluster.py`` runs it against the emulated cluster
+(``trainer.emulation.cluster``).
 """
 
 from __future__ import annotations
 
 import re
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,9 +26,10 @@ from typing import Any
 from kubeflow.training import TrainingClient, models
 from kubeflow.training.constants import constants as kf
 from kubernetes import client as k8s
+from kubernetes.client.exceptions import ApiException
 
 from trainer.faults import NodeFault
-from trainer.launch import CREDENTIAL_SECRETS, WORKSPACE_MOUNT
+from trainer.launch import CREDENTIAL_SECRETS, IMAGE_GID, IMAGE_UID, WORKSPACE_MOUNT
 from trainer.launch.local import DEFAULT_RDZV_PORT, worker_command
 from trainer.launch.spec import LaunchSpec
 from trainer.rank.config import TrainConfig
@@ -112,7 +116,8 @@ def build_pytorchjob(cfg: TrainConfig, spec: LaunchSpec, opts: ClusterOptions) -
         name=CONTAINER,
         image=opts.image,
         command=worker_command(cfg),
-        ports=[k8s.V1ContainerPort(name=RDZV_PORT_NAME, container_port=DEFAULT_RDZV_PORT)],
+        # protocol and (below) suspend spelled out: the API server's schema defaults, so the stored job equals this one
+        ports=[k8s.V1ContainerPort(name=RDZV_PORT_NAME, container_port=DEFAULT_RDZV_PORT, protocol="TCP")],
         resources=k8s.V1ResourceRequirements(requests=dict(limits), limits=limits),
         env_from=[k8s.V1EnvFromSource(secret_ref=k8s.V1SecretEnvSource(name=s, optional=True)) for s in opts.secrets] or None,
         volume_mounts=[
@@ -125,6 +130,10 @@ def build_pytorchjob(cfg: TrainConfig, spec: LaunchSpec, opts: ClusterOptions) -
         metadata=k8s.V1ObjectMeta(annotations={"sidecar.istio.io/inject": "false"}),
         spec=k8s.V1PodSpec(
             containers=[container],
+            # The image's unprivileged user; fsGroup keeps the shared volume writable for it.
+            security_context=k8s.V1PodSecurityContext(
+                run_as_user=IMAGE_UID, run_as_group=IMAGE_GID, fs_group=IMAGE_GID, run_as_non_root=True
+            ),
             # Eviction and preemption: SIGTERM to ft_launcher (PID 1), which forwards it; the ranks
             # checkpoint and exit within this, with a margin for the launcher's own exit.
             termination_grace_period_seconds=int(cfg.grace_period) + 15,
@@ -156,6 +165,7 @@ def build_pytorchjob(cfg: TrainConfig, spec: LaunchSpec, opts: ClusterOptions) -
                 backoff_limit=opts.backoff_limit,
                 active_deadline_seconds=opts.active_deadline_s or None,
                 ttl_seconds_after_finished=opts.ttl_after_finished_s,
+                suspend=False,
             ),
         ),
     )
@@ -204,7 +214,8 @@ def run_pytorchjob(
             name, namespace, expected_conditions=done, wait_timeout=max(int(timeout_s), 1), polling_interval=max(int(poll_s), 1)
         )
     except BaseException as e:  # cancelled, timed out, or the job vanished: leave nothing behind
-        _delete_quietly(tc, name, namespace, log)
+        grace = max(r.template.spec.termination_grace_period_seconds or 30 for r in job.spec.pytorch_replica_specs.values())
+        _delete_quietly(tc, name, namespace, grace + 15, log)
         if isinstance(e, KeyboardInterrupt | SystemExit):
             raise
         raise JobFailed(f"{KIND} {namespace}/{name} could not be followed to completion: {e}") from e
@@ -231,12 +242,26 @@ def _follow_logs(tc: TrainingClient, name: str, namespace: str, poll_s: float, d
         print(f"(log stream of {name} ended: {e})")
 
 
-def _delete_quietly(tc: TrainingClient, name: str, namespace: str, log: Callable[[str], None]) -> None:
+def _delete_quietly(tc: TrainingClient, name: str, namespace: str, wait_s: float, log: Callable[[str], None]) -> None:
+    """Delete the job and wait (up to ``wait_s``) until it is gone. Foreground propagation keeps
+    the job object until every pod has stopped (SIGTERM: the ranks checkpoint and exit), so once
+    it is gone nothing writes to the run dir any more and the caller may release it.
+    """
     try:
-        tc.delete_job(name, namespace)
-        log(f"deleted {KIND} {namespace}/{name}")
+        tc.delete_job(name, namespace, delete_options=k8s.V1DeleteOptions(propagation_policy="Foreground"))
     except Exception as e:  # noqa: BLE001 (already gone is fine; report anything else)
         log(f"could not delete {KIND} {namespace}/{name}: {e}")
+        return
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            tc.get_job(name, namespace)
+        except RuntimeError as e:
+            if isinstance(e.__cause__, ApiException) and e.__cause__.status == 404:
+                log(f"deleted {KIND} {namespace}/{name}")
+                return
+        time.sleep(1)
+    log(f"{KIND} {namespace}/{name} is still being deleted after {wait_s:g} s (its pods are stopping)")
 
 
 def shared_paths(run_name: str) -> tuple[str, str]:
