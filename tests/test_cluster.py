@@ -1,0 +1,363 @@
+"""The emulated cluster (trainer.emulation.cluster) and the train step's kubernetes path run on it.
+
+The API semantics are checked with the real `kubernetes` and `kubeflow-training` clients; the
+end-to-end test runs the real PyTorchJob from trainer.launch.k8s through a kubeconfig: real
+ft_launcher workers in Worker pods, real faults, the checkpoint validated. The cluster needs root
+(namespaces, mounts) and skips with the reason elsewhere.
+"""
+
+from __future__ import annotations
+
+import _thread
+import json
+import re
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from kubeflow.training import ApiClient, TrainingClient, models
+from kubernetes import client as k8s
+from kubernetes import config as kube_config
+
+from components.runs import cluster_params
+from pipelines.resilient_fsdp import check_parameters, pytorchjob_manifest
+from trainer.emulation.apiserver import RBAC_FILE
+from trainer.emulation.cluster import Cluster, cluster_problem, emulated_cluster
+from trainer.events import FaultFired, Restart, read_events
+from trainer.launch.k8s import JobFailed, build_pytorchjob, cluster_options, run_pytorchjob, shared_paths
+from trainer.launch.local import job_from_parameters
+from trainer.results.validate import validate_run
+
+PROBLEM = cluster_problem()
+pytestmark = pytest.mark.skipif(PROBLEM is not None, reason=f"the emulated cluster cannot run here: {PROBLEM}")
+NS = "default"  # TrainingClient's namespace outside a pod, and the kubeconfig's
+GROUP, VERSION, PLURAL = "kubeflow.org", "v1", "pytorchjobs"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    root = tmp_path_factory.mktemp("cluster")
+    (root / "pvc").mkdir()
+    with emulated_cluster(root / "state", claims={"rfsdp-workspace": root / "pvc", "scratch": root / "pvc"}, restart_backoff_s=0.2) as c:
+        yield c
+
+
+def configuration(kubeconfig: Path) -> k8s.Configuration:
+    """A client configuration from a kubeconfig file (not the process-wide default)."""
+    cfg = k8s.Configuration()
+    kube_config.load_kube_config(str(kubeconfig), client_configuration=cfg)
+    return cfg
+
+
+def step_client(cluster: Cluster) -> TrainingClient:
+    """What the train step holds: the ServiceAccount of deploy/rbac.yaml."""
+    return TrainingClient(client_configuration=configuration(cluster.kubeconfig), namespace=NS)
+
+
+def admin(cluster: Cluster) -> tuple[k8s.CustomObjectsApi, k8s.CoreV1Api]:
+    api = k8s.ApiClient(configuration(cluster.admin_kubeconfig))
+    return k8s.CustomObjectsApi(api), k8s.CoreV1Api(api)
+
+
+def tiny_job(
+    name: str, script: str = "", *, claim: str = "missing", restart_policy: str = "OnFailure", replicas: int = 1, **run_policy
+) -> dict:  # noqa: ANN003
+    """A PyTorchJob whose pods run ``python -c script``. With the default claim (one the cluster
+    lacks) its pods stay Pending and no process starts: the API tests need none.
+    """
+    container = {
+        "name": "pytorch",
+        "image": "local",
+        "command": [sys.executable, "-c", script or "pass"],
+        "ports": [{"name": "pytorchjob-port", "containerPort": 29400, "protocol": "TCP"}],
+        "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}],
+    }
+    pod = {"spec": {"containers": [container], "volumes": [{"name": "scratch", "persistentVolumeClaim": {"claimName": claim}}]}}
+    pod["spec"]["terminationGracePeriodSeconds"] = 5
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "PyTorchJob",
+        "metadata": {"name": name, "labels": {"app": "tiny"}},
+        "spec": {
+            "nprocPerNode": "1",
+            "pytorchReplicaSpecs": {"Worker": {"replicas": replicas, "restartPolicy": restart_policy, "template": pod}},
+            "runPolicy": {"cleanPodPolicy": "None", "suspend": False, **run_policy},
+        },
+    }
+
+
+def as_model(job: dict) -> models.KubeflowOrgV1PyTorchJob:
+    """A PyTorchJob dict as the kubeflow-training model ``TrainingClient.create_job`` takes."""
+    return ApiClient().deserialize(SimpleNamespace(data=json.dumps(job)), "KubeflowOrgV1PyTorchJob")
+
+
+def api_error(excinfo: pytest.ExceptionInfo) -> tuple[int, dict]:
+    """The HTTP status and the Status object of an ApiException (raised or wrapped by TrainingClient)."""
+    e = excinfo.value if isinstance(excinfo.value, k8s.ApiException) else excinfo.value.__cause__
+    return e.status, json.loads(e.body)
+
+
+def wait_for(predicate, timeout: float = 60, what: str = "") -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def conditions(obj: dict) -> list[str]:
+    return [c["type"] for c in (obj.get("status") or {}).get("conditions") or [] if c["status"] == "True"]
+
+
+# ----------------------------------------------------------------------------- API semantics
+def test_create_twice_is_409_already_exists(cluster: Cluster) -> None:
+    tc = step_client(cluster)
+    job = as_model(tiny_job("dup"))
+    tc.create_job(job=job, namespace=NS)
+    with pytest.raises(RuntimeError, match="Failed to create PyTorchJob") as excinfo:
+        tc.create_job(job=job, namespace=NS)
+    code, status = api_error(excinfo)
+    assert (code, status["kind"], status["reason"]) == (409, "Status", "AlreadyExists")
+    assert status["message"] == 'pytorchjobs.kubeflow.org "dup" already exists'
+    stored = cluster.stored(PLURAL, NS, "dup")
+    assert stored["metadata"]["uid"] and stored["metadata"]["resourceVersion"] and stored["metadata"]["generation"] == 1
+    # Its pod waits for the claim it names, as on a cluster without it: the job stays Created.
+    wait_for(lambda: (cluster.stored("pods", NS, "dup-worker-0") or {}).get("status", {}).get("conditions"), what="the pod's condition")
+    pod = cluster.stored("pods", NS, "dup-worker-0")
+    assert pod["status"]["phase"] == "Pending" and pod["status"]["conditions"][0]["message"] == 'persistentvolumeclaim "missing" not found'
+    assert conditions(cluster.stored(PLURAL, NS, "dup")) == ["Created"]
+
+
+def test_the_crd_schema_prunes_defaults_and_refuses(cluster: Cluster) -> None:
+    jobs, _ = admin(cluster)
+    typo = tiny_job("typo")
+    typo["spec"]["runPolicy"]["backofLimit"] = 2
+    del typo["spec"]["runPolicy"]["suspend"]
+    del typo["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["ports"][0]["protocol"]
+    with pytest.raises(k8s.ApiException) as excinfo:  # strict field validation: refused
+        jobs.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, typo, field_validation="Strict")
+    code, status = api_error(excinfo)
+    assert (code, status["reason"]) == (400, "BadRequest")
+    assert 'unknown field "spec.runPolicy.backofLimit"' in status["message"]
+    # The default (Warn): the unknown field is dropped with a warning, schema defaults are applied.
+    _, code, headers = jobs.create_namespaced_custom_object_with_http_info(GROUP, VERSION, NS, PLURAL, typo)
+    assert code == 201 and 'unknown field \\"spec.runPolicy.backofLimit\\"' in headers["Warning"]
+    stored = cluster.stored(PLURAL, NS, "typo")
+    assert stored["spec"]["runPolicy"] == {"cleanPodPolicy": "None", "suspend": False}
+    assert stored["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["ports"][0]["protocol"] == "TCP"
+    wrong = tiny_job("wrong-type")
+    wrong["spec"]["runPolicy"]["backoffLimit"] = "3"
+    with pytest.raises(k8s.ApiException) as excinfo:
+        jobs.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, wrong)
+    code, status = api_error(excinfo)
+    assert (code, status["reason"]) == (422, "Invalid")
+    assert [c["field"] for c in status["details"]["causes"]] == ["spec.runPolicy.backoffLimit"]
+    renamed = tiny_job("renamed")
+    renamed["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["name"] = "trainer"
+    with pytest.raises(k8s.ApiException) as excinfo:  # the operator's webhook
+        jobs.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, renamed)
+    assert api_error(excinfo)[0] == 422 and "no container named pytorch" in api_error(excinfo)[1]["message"]
+    assert cluster.stored(PLURAL, NS, "wrong-type") is None and cluster.stored(PLURAL, NS, "renamed") is None
+
+
+def test_rbac_refuses_what_the_role_does_not_grant(cluster: Cluster) -> None:
+    api = k8s.ApiClient(configuration(cluster.kubeconfig))
+    jobs, core = k8s.CustomObjectsApi(api), k8s.CoreV1Api(api)
+    refused = [
+        lambda: jobs.list_namespaced_custom_object(GROUP, VERSION, NS, PLURAL),  # list: the step never lists jobs
+        lambda: core.read_namespaced_pod("any", NS),
+        lambda: core.delete_namespaced_pod("any", NS),
+        lambda: jobs.create_namespaced_custom_object(GROUP, VERSION, "team-b", PLURAL, tiny_job("elsewhere")),  # another namespace
+    ]
+    for call in refused:
+        with pytest.raises(k8s.ApiException) as excinfo:
+            call()
+        code, status = api_error(excinfo)
+        assert (code, status["kind"], status["reason"]) == (403, "Status", "Forbidden")
+        assert f'User "{cluster.service_account}" cannot' in status["message"]
+    assert 'cannot create resource "pytorchjobs" in API group "kubeflow.org" in the namespace "team-b"' in status["message"]
+
+
+def test_label_selectors_and_namespaces(cluster: Cluster) -> None:
+    jobs, core = admin(cluster)
+    jobs.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, tiny_job("sel", replicas=3))
+    jobs.create_namespaced_custom_object(GROUP, VERSION, "team-b", PLURAL, tiny_job("sel", replicas=2))
+    wait_for(lambda: len(core.list_namespaced_pod("team-b").items) == 2, what="team-b's pods")
+
+    def names(namespace: str, selector: str) -> list[str]:
+        wait_for(lambda: cluster.stored("pods", NS, "sel-worker-2") is not None, what="sel's pods")
+        return sorted(p.metadata.name for p in core.list_namespaced_pod(namespace, label_selector=selector).items)
+
+    job = "training.kubeflow.org/job-name=sel"
+    assert names(NS, job) == ["sel-worker-0", "sel-worker-1", "sel-worker-2"]
+    assert names("team-b", job) == ["sel-worker-0", "sel-worker-1"]
+    assert names(NS, f"{job},training.kubeflow.org/replica-index=1") == ["sel-worker-1"]
+    assert names(NS, f"{job},training.kubeflow.org/replica-index!=1") == ["sel-worker-0", "sel-worker-2"]
+    assert names(NS, f"{job},training.kubeflow.org/replica-index in (0,2)") == ["sel-worker-0", "sel-worker-2"]
+    assert names(NS, f"{job},training.kubeflow.org/replica-index notin (0,2)") == ["sel-worker-1"]
+    assert names(NS, f"{job},training.kubeflow.org/job-role") == ["sel-worker-0"]  # Worker 0 is the master role
+    assert names(NS, f"{job},!training.kubeflow.org/job-role") == ["sel-worker-1", "sel-worker-2"]
+    assert names(NS, "training.kubeflow.org/job-name=nope") == []
+    # A job's pods are its own namespace's: deleting team-b's job leaves default's alone.
+    jobs.delete_namespaced_custom_object(GROUP, VERSION, "team-b", PLURAL, "sel")
+    wait_for(lambda: core.list_namespaced_pod("team-b").items == [], what="team-b's pods to go")
+    assert names(NS, job) == ["sel-worker-0", "sel-worker-1", "sel-worker-2"]
+
+
+# ----------------------------------------------------------------------------- pods and the operator
+@pytest.mark.slow
+def test_restart_policies_and_backoff_limit(cluster: Cluster) -> None:
+    jobs, core = admin(cluster)
+    # OnFailure: the kubelet restarts the failed container in the same pod (the claim keeps the
+    # count of runs); the second run succeeds and so does the job.
+    once = (
+        "import pathlib, sys; p = pathlib.Path('/scratch/{0}'); n = int(p.read_text()) if p.exists() else 0; "
+        "p.write_text(str(n + 1)); sys.exit({1})"
+    )
+    jobs.create_namespaced_custom_object(
+        GROUP, VERSION, NS, PLURAL, tiny_job("flaky", once.format("flaky", "0 if n else 3"), claim="scratch")
+    )
+    # ExitCode: 137 (killed) is retryable: the operator recreates the pod; then 1 is permanent.
+    exit_code = once.format("exitcode", "1 if n else 137")
+    jobs.create_namespaced_custom_object(
+        GROUP, VERSION, NS, PLURAL, tiny_job("exitcode", exit_code, claim="scratch", restart_policy="ExitCode")
+    )
+    # OnFailure that always fails: the job fails once the restarts reach backoffLimit.
+    jobs.create_namespaced_custom_object(
+        GROUP, VERSION, NS, PLURAL, tiny_job("doomed", "import sys; sys.exit(2)", claim="scratch", backoffLimit=2)
+    )
+    for name in ("flaky", "exitcode", "doomed"):
+        wait_for(lambda n=name: {"Succeeded", "Failed"} & set(conditions(cluster.stored(PLURAL, NS, n))), what=f"{name} to finish")
+    flaky = cluster.stored(PLURAL, NS, "flaky")
+    assert conditions(flaky) == ["Created", "Succeeded"] and flaky["status"]["replicaStatuses"]["Worker"]["succeeded"] == 1
+    pod = core.read_namespaced_pod_status("flaky-worker-0", NS).status
+    assert pod.phase == "Succeeded" and pod.container_statuses[0].restart_count == 1
+    assert pod.container_statuses[0].last_state.terminated.exit_code == 3
+    exitcode = cluster.stored(PLURAL, NS, "exitcode")
+    assert conditions(exitcode) == ["Created", "Failed"]
+    assert exitcode["status"]["conditions"][-1]["message"] == "PyTorchJob exitcode is failed because 1 Worker replica(s) failed."
+    assert (Path(cluster.kubeconfig).parent.parent / "pvc" / "exitcode").read_text() == "2"  # ran twice: 137, then 1
+    assert core.read_namespaced_pod("exitcode-worker-0", NS).spec.restart_policy == "Never"  # the operator restarts, not the kubelet
+    doomed = cluster.stored(PLURAL, NS, "doomed")
+    assert doomed["status"]["conditions"][-1]["reason"] == "PyTorchJobFailed"
+    assert (
+        doomed["status"]["conditions"][-1]["message"] == "PyTorchJob doomed has failed because it has reached the specified backoff limit"
+    )
+
+
+@pytest.mark.slow
+def test_the_step_creates_follows_cancels_and_uses_exactly_the_roles_verbs(cluster: Cluster, capsys: pytest.CaptureFixture) -> None:
+    """run_pytorchjob (the step's code) to success, and cancelled: the job is deleted gracefully
+    (its pod gets SIGTERM and exits through its handler; the job is 404 once the pod is gone) and
+    the ServiceAccount used every verb of the Role and nothing else."""
+    start = len(cluster.audit)
+    tc = step_client(cluster)
+    ok = tiny_job("ok", "print('hello from the pod', flush=True)", claim="scratch")
+    final = run_pytorchjob(as_model(ok), training_client=tc, poll_s=1, log=lambda s: None)
+    assert conditions(final)[-1] == "Succeeded"
+    assert "[Pod ok-worker-0]: hello from the pod" in capsys.readouterr().out  # worker 0's log, followed
+    graceful = (
+        "import signal, sys, time\n"
+        "def stop(*_):\n    print('terminating', flush=True); time.sleep(0.5); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, stop); print('up', flush=True); time.sleep(600)"
+    )
+    job = as_model(tiny_job("cancelled", graceful, claim="scratch"))
+    _, core = admin(cluster)
+
+    def cancel_once_up() -> None:
+        wait_for(lambda: "up" in _log(core, "cancelled-worker-0"), what="the pod to start")
+        _thread.interrupt_main()  # what the step's SIGTERM handler raises
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # interrupt_main needs Python's handler
+    try:
+        threading.Thread(target=cancel_once_up, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            run_pytorchjob(job, training_client=tc, poll_s=1, timeout_s=120, log=lambda s: None)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert cluster.stored(PLURAL, NS, "cancelled") is None and cluster.stored("pods", NS, "cancelled-worker-0") is None
+    log = next((Path(cluster.kubeconfig).parent / "pods").glob(f"{NS}_cancelled-worker-0_*/pytorch-0.log")).read_text()
+    assert log.splitlines() == ["up", "terminating"]  # stopped by SIGTERM within its grace period, not killed
+    step = [a for a in cluster.audit[start:] if a.user == cluster.service_account]
+    assert all(a.code < 400 or (a.verb, a.code) == ("get", 404) for a in step), step
+    used = {(a.verb, a.resource) for a in step}
+    role = next(d for d in yaml.safe_load_all(RBAC_FILE.read_text()) if d and d["kind"] == "Role")
+    granted = {(verb, resource) for rule in role["rules"] for resource in rule["resources"] for verb in rule["verbs"]}
+    assert used == granted
+
+
+@pytest.mark.slow
+def test_the_step_fails_with_the_jobs_reason(cluster: Cluster) -> None:
+    job = as_model(tiny_job("broken", "import sys; sys.exit(13)", claim="scratch", restart_policy="Never"))
+    reason = "PyTorchJobFailed: PyTorchJob broken is failed because 1 Worker replica(s) failed."
+    with pytest.raises(JobFailed, match=f"PyTorchJob {NS}/broken failed: {re.escape(reason)}$"):
+        run_pytorchjob(job, training_client=step_client(cluster), poll_s=1, timeout_s=60, log=lambda s: None)
+
+
+@pytest.mark.slow
+def test_a_job_deleted_by_someone_else_fails_the_step(cluster: Cluster) -> None:
+    jobs, core = admin(cluster)
+
+    def delete_once_up() -> None:
+        wait_for(lambda: "up" in _log(core, "vanishing-worker-0"), what="the pod to start")
+        jobs.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "vanishing")
+
+    threading.Thread(target=delete_once_up, daemon=True).start()
+    job = as_model(tiny_job("vanishing", "import time; print('up', flush=True); time.sleep(600)", claim="scratch"))
+    with pytest.raises(JobFailed, match="could not be followed to completion: Failed to get PyTorchJob"):
+        run_pytorchjob(job, training_client=step_client(cluster), poll_s=1, timeout_s=60, log=lambda s: None)
+    wait_for(lambda: cluster.stored("pods", NS, "vanishing-worker-0") is None, what="the garbage collector to delete its pod")
+
+
+def _log(core: k8s.CoreV1Api, pod: str) -> str:
+    try:
+        return core.read_namespaced_pod_log(pod, NS, container="pytorch")
+    except k8s.ApiException:  # not created or not started yet
+        return ""
+
+
+# ----------------------------------------------------------------------------- end to end
+@pytest.mark.slow
+def test_train_step_runs_the_real_pytorchjob_with_faults(cluster: Cluster, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The train step's kubernetes path, through a kubeconfig: the PyTorchJob from the manifest
+    code, 2 Worker pods running real ft_launchers on CPU, an exception on rank 1 (in-process
+    restart) and a SIGKILL of rank 0 (in-job restart), then a valid checkpoint.
+    """
+    overrides = {"training_run": "e2e", "job_namespace": "", "nnodes": 2, "nproc_per_node": 1, "steps": 20, "ckpt_every": 5}
+    overrides |= {"fault": "exception@8:1,sigkill@15:0", "hang_timeout": 6, "tracking_uri": "http://mlflow.preview"}
+    params = check_parameters(overrides)  # what components/train.py does with its parameters:
+    data, run_dir = shared_paths("e2e")
+    cfg, spec = job_from_parameters(params, data=data, run_dir=run_dir)
+    job = build_pytorchjob(cfg, spec, cluster_options(cluster_params(params, "e2e")))
+    pvc = Path(cluster.kubeconfig).parent.parent / "pvc"
+    shutil.copytree(data_dir, pvc / "e2e" / "data")  # what the step copies onto the shared volume
+    # The step's own credentials: the client reads $KUBECONFIG when it is imported (a step process
+    # started with it set, as kfp.local starts one, sees the same).
+    monkeypatch.setattr(kube_config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(cluster.kubeconfig))
+    lines: list[str] = []
+    try:
+        final = run_pytorchjob(job, poll_s=1, timeout_s=240, log=lines.append)
+    except JobFailed:
+        for log in sorted((Path(cluster.kubeconfig).parent / "pods").glob(f"{NS}_e2e-worker-*/pytorch-*.log")):
+            print(f"--- {log.parent.name}/{log.name}\n{log.read_text()[-4000:]}")
+        raise
+    assert conditions(final)[-1] == "Succeeded" and lines[0] == f"created PyTorchJob {NS}/e2e"
+    stored = cluster.stored(PLURAL, NS, "e2e")
+    server_fields = {"uid", "resourceVersion", "generation", "creationTimestamp"}
+    stored["metadata"] = {k: v for k, v in stored["metadata"].items() if k not in server_fields}
+    del stored["status"]
+    expected = pytorchjob_manifest(overrides)
+    expected["metadata"]["namespace"] = NS  # the client's namespace: the manifest leaves it to the step's pod
+    assert stored == expected
+    run = pvc / "e2e" / "run"
+    events = read_events(run)
+    assert {(f.kind, f.step, f.rank) for f in events if isinstance(f, FaultFired)} == {("exception", 8, 1), ("sigkill", 15, 0)}
+    assert {r.layer for r in events if isinstance(r, Restart)} >= {"in_process", "in_job"}
+    report = validate_run(run, data=pvc / "e2e" / "data")  # the run recorded the path its pods saw
+    assert report.valid, report
