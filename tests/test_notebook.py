@@ -13,7 +13,6 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from mlflow import MlflowClient
 
 from tests.conftest import ROOT, MlflowServer, train
 from trainer.events import Checkpoint, Event, FaultFired, Restart, RunEnd, RunStart, Step, read_events
@@ -195,6 +194,8 @@ def outputs(nb: nbformat.NotebookNode) -> list:
 
 @pytest.mark.slow
 def test_notebook_compares_real_runs(data_dir: Path, faulty_run: Path, mlflow_server: MlflowServer, tmp_path: Path) -> None:
+    from mlflow import MlflowClient  # here: the fast tier's tests need no MLflow
+
     # the reference of the faulty run: its trajectory without faults, in the other checkpoint mode
     sync_run = tmp_path / "sync-nofaults"
     train(data_dir, sync_run, "--steps", "30", "--ckpt-mode", "sync", "--ckpt-every", "5")

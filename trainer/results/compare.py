@@ -278,6 +278,10 @@ def time_breakdown(runs: list[RunRecord]) -> pd.DataFrame:
       after it) less that first step's own time, which is already useful or lost work.
     * ``other``: the rest: start-up before the first step, bookkeeping between steps, the wait
       for the last save at the end, saves that failed.
+
+    The parts do not overlap, with one exception: where ``recovery_s`` starts at the last step
+    before a fault (a fault written on another host, see ``trainer.events.describe_restart``), a
+    save's stall right after that step is counted in both, and ``other`` is that much smaller.
     """
     rows = []
     for r in runs:
