@@ -261,7 +261,13 @@ def test_the_step_creates_follows_cancels_and_uses_exactly_the_roles_verbs(clust
     ok = tiny_job("ok", "print('hello from the pod', flush=True)", claim="scratch")
     final = run_pytorchjob(as_model(ok), training_client=tc, poll_s=1, log=lambda s: None)
     assert conditions(final)[-1] == "Succeeded"
-    assert "[Pod ok-worker-0]: hello from the pod" in capsys.readouterr().out  # worker 0's log, followed
+    printed: list[str] = []  # the step follows worker 0's log in a thread of its own: wait for it
+
+    def followed() -> bool:
+        printed.append(capsys.readouterr().out)
+        return "[Pod ok-worker-0]: hello from the pod" in "".join(printed)
+
+    wait_for(followed, what="worker 0's log to be followed")
     graceful = (
         "import signal, sys, time\n"
         "def stop(*_):\n    print('terminating', flush=True); time.sleep(0.5); sys.exit(0)\n"
