@@ -10,6 +10,7 @@ durable, the expectation is read from the run's own events.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -81,6 +82,15 @@ def test_each_fault_is_recovered_exactly(faulted_run: FaultedRun, baseline_60: P
     assert resumed in (due, due - 10) and (resumed == due or due not in published)
     assert restart.lost_steps == step - 1 - resumed and restart.recovery_s > 0
     assert losses(faulted_run.run) == losses(baseline_60)
+
+
+def test_rank_0_prints_progress_and_each_restart(faulted_run: FaultedRun) -> None:
+    """What ``kubectl logs`` of worker 0 shows: a line every 10 steps and one per restart."""
+    log = "".join(p.read_text() for p in sorted((faulted_run.run / "logs").glob("replica_*.log")))
+    for r in restarts(faulted_run.run):
+        assert f"restart {r.attempt} ({r.layer}): resumed from step {r.resumed_from_step}, {r.lost_steps} steps redone" in log
+    assert re.search(r"^step 60/60  loss \d+\.\d{4}  [\d,]+ tok/s  restarts 4$", log, re.MULTILINE), log[-2000:]
+    assert {int(m) for m in re.findall(r"^step (\d+)/60 ", log, re.MULTILINE)} >= {10, 20, 30, 40, 50, 60}
 
 
 def test_a_recurring_soft_fault_is_handed_to_in_job_restart(data_dir: Path, baseline_60: Path, tmp_path: Path) -> None:

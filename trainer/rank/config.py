@@ -92,12 +92,17 @@ class TrainConfig:
     grace_period: float = 30.0
     """Seconds a preempted job (SIGTERM) has to finish its step, checkpoint and exit before it is
     killed (the PyTorchJob's ``terminationGracePeriodSeconds``)."""
+    log_every: int = 10
+    """Rank 0 prints a progress line (step, loss, tokens/s, restarts) every this many steps and at
+    every restart, for ``kubectl logs`` and the train step's log (0: only at restarts and the end)."""
     faults: list = field(default_factory=list, repr=False)
     """Parsed ``fault`` (derived)."""
 
     def __post_init__(self) -> None:
         if self.model not in MODEL_SIZES:
             raise ParameterError("model", f"unknown model {self.model!r} (known: {', '.join(MODEL_SIZES)})")
+        if self.log_every < 0:
+            raise ParameterError("log_every", f"must be at least 0, got {self.log_every}")
         if self.max_inprocess_restarts < 0:
             raise ParameterError("max_inprocess_restarts", f"must be at least 0, got {self.max_inprocess_restarts}")
         for name in ("steps", "ckpt_every", "keep_last", "batch_size", "world_size"):

@@ -27,7 +27,19 @@ from trainer.checkpoint import Checkpointer, CheckpointWriter, SyncDcpWriter, lo
 from trainer.data.prepare import local_data
 from trainer.data.shards import TokenLoader, load_split
 from trainer.errors import FATAL_EXIT_CODE, non_transient_cause
-from trainer.events import EventLog, Fatal, RunEnd, RunStart, Step, describe_restart, fatal_error, read_events, recovery_layer
+from trainer.events import (
+    EventLog,
+    Fatal,
+    Restart,
+    RunEnd,
+    RunStart,
+    Step,
+    describe_restart,
+    fatal_error,
+    read_events,
+    recovery_layer,
+    select,
+)
 from trainer.faults import FaultInjector
 from trainer.process import die_with_parent
 from trainer.rank.config import Timeouts, TrainConfig, add_train_arguments
@@ -103,6 +115,29 @@ class Preemption:
         self.requested = True
 
 
+class ProgressLines:
+    """Rank 0's progress on stdout, where ``kubectl logs`` of worker 0 and the train step's log
+    show it: a line every ``every`` steps, at the last one, and one for each restart as it happens.
+    """
+
+    def __init__(self, every: int, last: int, prior: list) -> None:
+        self.every, self.last = every, last
+        bounds = [i for i, e in enumerate(prior) if isinstance(e, RunStart)]  # restarts of this run so far
+        self.restarts = len(select(prior[bounds[-1] if bounds else 0 :], Restart))
+
+    def show(self, done: Step, restart: Restart | None) -> None:
+        """Print what ``done`` (and the ``restart`` it completed, if any) calls for."""
+        if restart is not None:
+            self.restarts += 1
+            print(
+                f"restart {restart.attempt} ({restart.layer}): resumed from step {restart.resumed_from_step}, "
+                f"{restart.lost_steps} steps redone, back {restart.recovery_s:.1f} s after the fault", flush=True,
+            )  # fmt: skip
+        if restart is not None or done.step == self.last or (self.every and done.step % self.every == 0):
+            rate = done.tokens / max(done.step_time_s, 1e-9)
+            print(f"step {done.step}/{self.last}  loss {done.loss:.4f}  {rate:,.0f} tok/s  restarts {self.restarts}", flush=True)
+
+
 def train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror | None, preemption: Preemption, attempt: Attempt) -> None:
     """One incarnation of the training function (``mirror``: rank 0's, if any). An error no
     restart can fix ends the job here, before in-process restart could retry it.
@@ -171,6 +206,7 @@ def _train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror 
 
     last = cfg.stop_at_step or cfg.steps
     tokens_per_step = cfg.batch_size * cfg.size.seq_len * rt.world_size
+    progress = ProgressLines(cfg.log_every, last, prior)
     # A fault anywhere below ends this incarnation; what it was saving is never published (the
     # writer abandons it when the next incarnation's group arrives) and that one resumes from the
     # last durable checkpoint.
@@ -183,8 +219,12 @@ def _train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror 
         alive()
         if rt.rank == 0:
             done = events.emit(Step(step=step, loss=loss, step_time_s=step_time, tokens=tokens_per_step))
-            if layer and step == start + 1:
+            restart = (
                 events.emit(describe_restart(prior, layer=layer, resumed_from=start, first_step=done))
+                if layer and step == start + 1
+                else None
+            )
+            progress.show(done, restart)
         checkpointer.step(step, partial(state.snapshot, step), last=step == last or stop)  # last: waits until published
         if stop:
             break
