@@ -57,7 +57,7 @@ compare: setup
 	$(call compare_run,sync-faults,--ckpt-mode sync --fault $(COMPARE_FAULT))
 	$(call compare_run,async-faults,--ckpt-mode async --fault $(COMPARE_FAULT))
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m papermill --log-level WARNING notebooks/compare_experiments.ipynb \
-		$(COMPARE_DIR)/compare_experiments.ipynb -p experiment $(COMPARE_EXPERIMENT)
+		$(COMPARE_DIR)/compare_experiments.ipynb -p experiment $(COMPARE_EXPERIMENT) -p figures_dir $(COMPARE_DIR)
 	@echo "== executed notebook: $(COMPARE_DIR)/compare_experiments.ipynb (experiment $(COMPARE_EXPERIMENT))"
 	@echo "== MLflow UI: $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/work/mlflow/mlflow.db"
 

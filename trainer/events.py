@@ -67,6 +67,11 @@ class Step(Event):
     step_time_s: float
     tokens: int = 0
 
+    @property
+    def tokens_per_s(self) -> float:
+        """Throughput of this step (NaN for a step of no measurable time)."""
+        return self.tokens / self.step_time_s if self.step_time_s > 0 else float("nan")
+
 
 @dataclass(frozen=True, kw_only=True)
 class Checkpoint(Event):

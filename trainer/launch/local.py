@@ -368,8 +368,7 @@ def _wait_with_progress(
                 injector.tick()
             for e in tail.new():
                 if isinstance(e, Step):
-                    tps = e.tokens / max(e.step_time_s, 1e-9)
-                    bar.update(task, completed=e.step, info=f"loss {e.loss:.4f}  {tps:,.0f} tok/s  restarts {restarts}")
+                    bar.update(task, completed=e.step, info=f"loss {e.loss:.4f}  {e.tokens_per_s:,.0f} tok/s  restarts {restarts}")
                     if injector is not None:
                         injector.observe(e.step)
                 elif isinstance(e, Restart):

@@ -134,8 +134,9 @@ class ProgressLines:
                 f"{restart.lost_steps} steps redone, back {restart.recovery_s:.1f} s after the fault", flush=True,
             )  # fmt: skip
         if restart is not None or done.step == self.last or (self.every and done.step % self.every == 0):
-            rate = done.tokens / max(done.step_time_s, 1e-9)
-            print(f"step {done.step}/{self.last}  loss {done.loss:.4f}  {rate:,.0f} tok/s  restarts {self.restarts}", flush=True)
+            print(
+                f"step {done.step}/{self.last}  loss {done.loss:.4f}  {done.tokens_per_s:,.0f} tok/s  restarts {self.restarts}", flush=True
+            )
 
 
 def train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror | None, preemption: Preemption, attempt: Attempt) -> None:

@@ -356,7 +356,7 @@ def timeline(run: RunRecord) -> Timeline:
             "t": e.time - t0,
             "step": e.step,
             "loss": e.loss,
-            "tokens_per_s": e.tokens / e.step_time_s if e.step_time_s > 0 else float("nan"),
+            "tokens_per_s": e.tokens_per_s,
             "redone": id(e) not in final,
         }
         for e in lines
