@@ -252,6 +252,23 @@ def test_restart_policies_and_backoff_limit(cluster: Cluster) -> None:
 
 
 @pytest.mark.slow
+def test_clean_pod_policy_and_ttl(cluster: Cluster) -> None:
+    jobs, _ = admin(cluster)
+    kept = tiny_job("brief", "print('done')", claim="scratch", cleanPodPolicy="All", ttlSecondsAfterFinished=3600)
+    jobs.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, kept)
+    wait_for(lambda: "Succeeded" in conditions(cluster.stored(PLURAL, NS, "brief")), what="brief to succeed")  # kept for its TTL
+    wait_for(lambda: cluster.stored("pods", NS, "brief-worker-0") is None, what="cleanPodPolicy All to delete the pod")
+    # OnFailure without a backoff limit: only success ends the job, then its TTL of 0 deletes it.
+    marker = "import pathlib; pathlib.Path('/scratch/expired').write_text('ran')"
+    jobs.create_namespaced_custom_object(
+        GROUP, VERSION, NS, PLURAL, tiny_job("expired", marker, claim="scratch", ttlSecondsAfterFinished=0)
+    )
+    wait_for(lambda: cluster.stored(PLURAL, NS, "expired") is None, what="the TTL to delete the job")
+    wait_for(lambda: cluster.stored("pods", NS, "expired-worker-0") is None, what="the garbage collector to delete its pod")
+    assert (Path(cluster.kubeconfig).parent.parent / "pvc" / "expired").read_text() == "ran"
+
+
+@pytest.mark.slow
 def test_the_step_creates_follows_cancels_and_uses_exactly_the_roles_verbs(cluster: Cluster, capsys: pytest.CaptureFixture) -> None:
     """run_pytorchjob (the step's code) to success, and cancelled: the job is deleted gracefully
     (its pod gets SIGTERM and exits through its handler; the job is 404 once the pod is gone) and

@@ -86,3 +86,21 @@ def test_one_launch_contract_local_and_cluster() -> None:
     assert {k: v for k, v in local.items() if k != "PET_RDZV_ID"} == operator
     assert operator["PET_RDZV_ENDPOINT"] == "exp-1-worker-0:29400"
     assert {"name": "pytorchjob-port", "containerPort": 29400, "protocol": "TCP"} in container["ports"]
+
+
+def test_the_operator_env_with_a_master_replica() -> None:
+    """Without an elasticPolicy and with a Master, the operator names the master and each pod's
+    rank (Workers count from 1) and the world in processes (docs/cluster.md, field notes)."""
+    job = pytorchjob_manifest({**TRACKED, "nnodes": 2, "nproc_per_node": 4})
+    spec = job["spec"]
+    del spec["elasticPolicy"]
+    spec["pytorchReplicaSpecs"] = {"Master": {**spec["pytorchReplicaSpecs"]["Worker"], "replicas": 1}, **spec["pytorchReplicaSpecs"]}
+    env = {e["name"]: e["value"] for e in injected_env(job, "Worker", 1)}
+    name = job["metadata"]["name"]
+    assert env == {
+        "PYTHONUNBUFFERED": "1",
+        "MASTER_ADDR": f"{name}-master-0", "PET_MASTER_ADDR": f"{name}-master-0",
+        "MASTER_PORT": "29400", "PET_MASTER_PORT": "29400",  # the container's pytorchjob-port
+        "WORLD_SIZE": "12", "RANK": "2", "PET_NODE_RANK": "2",
+        "PET_NNODES": "3", "PET_NPROC_PER_NODE": "4",
+    }  # fmt: skip
