@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import _thread
 import json
+import os
 import re
 import shutil
 import signal
@@ -45,7 +46,8 @@ GROUP, VERSION, PLURAL = "kubeflow.org", "v1", "pytorchjobs"
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("cluster")
     (root / "pvc").mkdir()
-    with emulated_cluster(root / "state", claims={"rfsdp-workspace": root / "pvc", "scratch": root / "pvc"}, restart_backoff_s=0.2) as c:
+    claims = {"rfsdp-workspace": root / "pvc", "scratch": root / "pvc"}
+    with emulated_cluster(root / "state", claims=claims, secrets_data={"creds": {"TOKEN": "s3cret"}}, restart_backoff_s=0.2) as c:
         yield c
 
 
@@ -211,6 +213,55 @@ def test_label_selectors_and_namespaces(cluster: Cluster) -> None:
 
 
 # ----------------------------------------------------------------------------- pods and the operator
+PROBE = """
+import json, os, socket
+shm = os.statvfs("/dev/shm")
+print(json.dumps({
+    "argv": __import__("sys").argv[1:], "hostname": socket.gethostname(), "cwd": os.getcwd(),
+    "peers": [socket.gethostbyname(f"probe-worker-{i}") for i in range(2)],
+    "env": {k: v for k, v in os.environ.items() if k.startswith(("PET_", "MASTER", "TOKEN", "GREETING", "PYTHONUNBUFFERED"))},
+    "claim": open("/scratch/probe-marker").read(), "secret": open("/secret/TOKEN").read(),
+    "shm_bytes": shm.f_blocks * shm.f_frsize,
+}), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_pod_runs_its_container_as_the_operator_and_kubelet_would(cluster: Cluster) -> None:
+    jobs, core = admin(cluster)
+    job = tiny_job("probe", PROBE, claim="scratch", replicas=2)
+    spec = job["spec"]
+    spec["elasticPolicy"] = {"rdzvBackend": "c10d", "minReplicas": 2, "maxReplicas": 2, "maxRestarts": 3}
+    pod = spec["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    container = pod["containers"][0]
+    container["args"] = ["$(GREETING)", "$(PET_NNODES)", "$$(GREETING)"]
+    # An env value sees envFrom and the variables before it (not the operator's, appended after it).
+    container["env"] = [{"name": "GREETING", "value": "hi-$(TOKEN)-$(PET_NNODES)"}]
+    container["envFrom"] = [{"secretRef": {"name": "creds"}}, {"secretRef": {"name": "absent", "optional": True}}]
+    container["volumeMounts"] += [{"name": "secret", "mountPath": "/secret"}, {"name": "dshm", "mountPath": "/dev/shm"}]
+    pod["volumes"] += [
+        {"name": "secret", "secret": {"secretName": "creds"}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Mi"}},
+    ]
+    (Path(cluster.kubeconfig).parent.parent / "pvc" / "probe-marker").write_text("on the claim")
+    jobs.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, job)
+    wait_for(lambda: "Succeeded" in conditions(cluster.stored(PLURAL, NS, "probe")), what="the probe to finish")
+    seen = [json.loads(core.read_namespaced_pod_log(f"probe-worker-{i}", NS, _preload_content=False).data) for i in range(2)]
+    pods = [cluster.stored("pods", NS, f"probe-worker-{i}") for i in range(2)]
+    for i, (out, stored) in enumerate(zip(seen, pods, strict=True)):
+        assert out["argv"] == ["hi-s3cret-$(PET_NNODES)", "2:2", "$(GREETING)"]  # $(VAR) expanded, $$ escaped
+        assert out["hostname"] == f"probe-worker-{i}" and out["cwd"] != os.getcwd()
+        assert out["peers"] == [p["status"]["podIP"] for p in pods]  # the job's service names resolve
+        assert out["env"] == {
+            "GREETING": "hi-s3cret-$(PET_NNODES)", "TOKEN": "s3cret", "PYTHONUNBUFFERED": "1",
+            "PET_RDZV_ENDPOINT": "probe-worker-0:29400", "PET_RDZV_BACKEND": "c10d", "PET_NNODES": "2:2",
+            "PET_MAX_RESTARTS": "3", "PET_NPROC_PER_NODE": "1",
+        }  # fmt: skip
+        assert (out["claim"], out["secret"], out["shm_bytes"]) == ("on the claim", "s3cret", 32 * 2**20)
+        assert stored["metadata"]["labels"]["training.kubeflow.org/replica-index"] == str(i)
+        assert stored["metadata"]["ownerReferences"][0]["uid"] == cluster.stored(PLURAL, NS, "probe")["metadata"]["uid"]
+
+
 @pytest.mark.slow
 def test_restart_policies_and_backoff_limit(cluster: Cluster) -> None:
     jobs, core = admin(cluster)
