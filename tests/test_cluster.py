@@ -79,7 +79,7 @@ def tiny_job(
         "image": "local",
         "command": [sys.executable, "-c", script or "pass"],
         "ports": [{"name": "pytorchjob-port", "containerPort": 29400, "protocol": "TCP"}],
-        "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}],
+        "volumeMounts": [{"name": "scratch", "mountPath": "/mnt/scratch"}],
     }
     pod = {"spec": {"containers": [container], "volumes": [{"name": "scratch", "persistentVolumeClaim": {"claimName": claim}}]}}
     pod["spec"]["terminationGracePeriodSeconds"] = 5
@@ -220,7 +220,7 @@ print(json.dumps({
     "argv": __import__("sys").argv[1:], "hostname": socket.gethostname(), "cwd": os.getcwd(),
     "peers": [socket.gethostbyname(f"probe-worker-{i}") for i in range(2)],
     "env": {k: v for k, v in os.environ.items() if k.startswith(("PET_", "MASTER", "TOKEN", "GREETING", "PYTHONUNBUFFERED"))},
-    "claim": open("/scratch/probe-marker").read(), "secret": open("/secret/TOKEN").read(),
+    "claim": open("/mnt/scratch/probe-marker").read(), "secret": open("/mnt/secret/TOKEN").read(),
     "shm_bytes": shm.f_blocks * shm.f_frsize,
 }), flush=True)
 """
@@ -238,7 +238,7 @@ def test_a_pod_runs_its_container_as_the_operator_and_kubelet_would(cluster: Clu
     # An env value sees envFrom and the variables before it (not the operator's, appended after it).
     container["env"] = [{"name": "GREETING", "value": "hi-$(TOKEN)-$(PET_NNODES)"}]
     container["envFrom"] = [{"secretRef": {"name": "creds"}}, {"secretRef": {"name": "absent", "optional": True}}]
-    container["volumeMounts"] += [{"name": "secret", "mountPath": "/secret"}, {"name": "dshm", "mountPath": "/dev/shm"}]
+    container["volumeMounts"] += [{"name": "secret", "mountPath": "/mnt/secret"}, {"name": "dshm", "mountPath": "/dev/shm"}]
     pod["volumes"] += [
         {"name": "secret", "secret": {"secretName": "creds"}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Mi"}},
@@ -268,7 +268,7 @@ def test_restart_policies_and_backoff_limit(cluster: Cluster) -> None:
     # OnFailure: the kubelet restarts the failed container in the same pod (the claim keeps the
     # count of runs); the second run succeeds and so does the job.
     once = (
-        "import pathlib, sys; p = pathlib.Path('/scratch/{0}'); n = int(p.read_text()) if p.exists() else 0; "
+        "import pathlib, sys; p = pathlib.Path('/mnt/scratch/{0}'); n = int(p.read_text()) if p.exists() else 0; "
         "p.write_text(str(n + 1)); sys.exit({1})"
     )
     jobs.create_namespaced_custom_object(
@@ -310,7 +310,7 @@ def test_clean_pod_policy_and_ttl(cluster: Cluster) -> None:
     wait_for(lambda: "Succeeded" in conditions(cluster.stored(PLURAL, NS, "brief")), what="brief to succeed")  # kept for its TTL
     wait_for(lambda: cluster.stored("pods", NS, "brief-worker-0") is None, what="cleanPodPolicy All to delete the pod")
     # OnFailure without a backoff limit: only success ends the job, then its TTL of 0 deletes it.
-    marker = "import pathlib; pathlib.Path('/scratch/expired').write_text('ran')"
+    marker = "import pathlib; pathlib.Path('/mnt/scratch/expired').write_text('ran')"
     jobs.create_namespaced_custom_object(
         GROUP, VERSION, NS, PLURAL, tiny_job("expired", marker, claim="scratch", ttlSecondsAfterFinished=0)
     )

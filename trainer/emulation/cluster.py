@@ -18,6 +18,7 @@ docs/emulation.md says what is emulated and what is not.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import secrets
 import shutil
@@ -67,8 +68,6 @@ class Cluster:
 
     def stored(self, resource: str, namespace: str, name: str) -> dict | None:
         """A copy of a stored object (None when there is none)."""
-        import copy
-
         with self.store.lock:
             obj = self.store.get(resource, namespace, name)
             return copy.deepcopy(obj) if obj is not None else None
