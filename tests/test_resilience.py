@@ -93,6 +93,20 @@ def test_rank_0_prints_progress_and_each_restart(faulted_run: FaultedRun) -> Non
     assert {int(m) for m in re.findall(r"^step (\d+)/60 ", log, re.MULTILINE)} >= {10, 20, 30, 40, 50, 60}
 
 
+def test_every_recovery_and_save_has_its_timeline(faulted_run: FaultedRun) -> None:
+    """Where each second went, from the events a production run writes: phases in order, ending
+    with the recovery (or the save's publication)."""
+    for r in restarts(faulted_run.run):
+        new_process = ["process_started", "imports_done"] if r.layer == "in_job" else []
+        assert list(r.phases) == [*new_process, "process_group", "model_built", "resumed", "first_step"], r
+        assert list(r.phases.values()) == sorted(r.phases.values()) and r.phases["first_step"] == r.recovery_s
+    saves = [e for e in read_events(faulted_run.run) if isinstance(e, Checkpoint)]
+    async_phases = ["wait", "collect", "rank_state", "stage", "plan", "handoff", "background", "agree", "publish"]
+    assert saves and all(list(c.phases) == async_phases and min(c.phases.values()) >= 0 for c in saves)
+    for c in saves:  # the loop stalled for the phases up to the hand-off
+        assert abs(sum(list(c.phases.values())[:6]) - c.blocking_s) < 1e-6
+
+
 def test_a_recurring_soft_fault_is_handed_to_in_job_restart(data_dir: Path, baseline_60: Path, tmp_path: Path) -> None:
     """Three exceptions in a row on the same workers, two in-process restarts allowed: the third
     ends the workers and ft_launcher restarts them; the new workers may restart in-process again."""

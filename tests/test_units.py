@@ -130,8 +130,10 @@ def test_describe_restart_measures_from_the_fault() -> None:
         FaultFired(time=14.5, kind="exception", step=15),
     ]
     first = Step(time=20.0, step=11, loss=1.0, step_time_s=0.5)
-    r = describe_restart(prior, layer="in_process", resumed_from=10, first_step=first)
-    assert r == Restart(layer="in_process", attempt=1, resumed_from_step=10, lost_steps=4, recovery_s=5.5)
+    marks = {"imports_done": 3.0, "process_group": 16.0, "resumed": 18.0}  # a process that outlived the fault
+    r = describe_restart(prior, layer="in_process", resumed_from=10, first_step=first, marks=marks)
+    phases = {"process_group": 1.5, "resumed": 3.5, "first_step": 5.5}
+    assert r == Restart(layer="in_process", attempt=1, resumed_from_step=10, lost_steps=4, recovery_s=5.5, phases=phases)
 
 
 def test_recovery_is_measured_on_the_clock_of_the_host_that_saw_it_end() -> None:

@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -71,6 +70,10 @@ def write_rank_checksums(directory: Path, rank: int) -> None:
     names = [p.name for p in directory.glob(f"__{rank}_*.distcp")] + [rank_state_file(rank)]
     record = {name: {"size": (directory / name).stat().st_size, "sha256": file_sha256(directory / name)} for name in names}
     atomic_write_text(directory / f"checksums_rank{rank}.json", json.dumps(record))
+
+
+# The writer's phase hooks, as the timed phases that end there ("write": the hand-off returns).
+_TIMED_WRITER_PHASES = {"stage": "stage", "plan": "plan", "finalize": "background"}
 
 
 def _no_phase_hook(phase: str) -> None:
@@ -132,6 +135,15 @@ class _Pending:
     tmp_dir: Path
     started: float
     blocking_s: float
+    marks: list[tuple[str, float]]
+    """(phase, perf_counter when it ended), in order: the save's timeline."""
+
+    def mark(self, phase: str) -> None:
+        self.marks.append((phase, time.perf_counter()))
+
+    def phases(self) -> dict[str, float]:
+        """Seconds each phase took, in order."""
+        return {name: t - before for (_, before), (name, t) in zip(self.marks, self.marks[1:], strict=False)}
 
 
 class Checkpointer:
@@ -239,16 +251,34 @@ class Checkpointer:
                 self._poll(blocking=True)
 
     def save(self, step: int, state: Callable[[], tuple[dict, dict]]) -> None:
-        """Start a checkpoint of ``step`` now (waiting first until nothing is being written)."""
-        t0, started = time.perf_counter(), time.time()
+        """Start a checkpoint of ``step`` now (waiting first until nothing is being written).
+
+        Its phases are timed (the ``checkpoint`` event's ``phases``): ``wait`` (for the previous
+        write), ``collect`` (the state dicts), ``rank_state`` (this rank's small state, written
+        durably), then for an async save ``stage``, ``plan`` and ``handoff`` (the training loop
+        goes on after it), ``background`` (until every rank's write is done); for a sync save
+        ``write``; then ``agree`` (every rank's part on disk) and ``publish``.
+        """
+        pending = _Pending(step, self.root / f"{step_dir_name(step)}.tmp{self.generation}", time.time(), 0.0, [])
+        pending.mark("start")
         self._poll(blocking=True)
-        tmp_dir = self.root / f"{step_dir_name(step)}.tmp{self.generation}"
+        pending.mark("wait")
         tensors, rank_state = state()
-        tmp_dir.mkdir(parents=True, exist_ok=True)
-        _save_durably(rank_state, tmp_dir / rank_state_file(self.rank))
-        on_phase = partial(self.on_phase, step) if self.on_phase else _no_phase_hook
-        self.writer.start(tensors, tmp_dir, self.save_group, SaveHooks(on_phase=on_phase, atomic=self.atomic))
-        self.pending = _Pending(step, tmp_dir, started, time.perf_counter() - t0)
+        pending.mark("collect")
+        pending.tmp_dir.mkdir(parents=True, exist_ok=True)
+        _save_durably(rank_state, pending.tmp_dir / rank_state_file(self.rank))
+        pending.mark("rank_state")
+
+        def on_phase(phase: str) -> None:
+            if phase in _TIMED_WRITER_PHASES:
+                pending.mark(_TIMED_WRITER_PHASES[phase])
+            if self.on_phase is not None:
+                self.on_phase(step, phase)
+
+        self.writer.start(tensors, pending.tmp_dir, self.save_group, SaveHooks(on_phase=on_phase, atomic=self.atomic))
+        pending.mark("handoff" if self.writer.mode == "async" else "write")
+        pending.blocking_s = pending.marks[-1][1] - pending.marks[0][1]
+        self.pending = pending
         if self.writer.mode == "sync":
             self._poll(blocking=True)
 
@@ -279,6 +309,7 @@ class Checkpointer:
             return
         self.pending = None
         dist.barrier(group=self.save_group)  # every rank's checksums and rank 0's .metadata are on disk
+        pending.mark("agree")
         if self.rank == 0:
             with self.atomic():  # local and short: another rank's fault must not cut a publication in half
                 self._publish_and_report(pending)
@@ -291,6 +322,7 @@ class Checkpointer:
                 raise
             self._fail(pending, e)
             return
+        pending.mark("publish")
         self.events.emit(
             Checkpoint(
                 step=pending.step,
@@ -298,6 +330,7 @@ class Checkpointer:
                 blocking_s=pending.blocking_s,
                 total_s=time.time() - pending.started,
                 bytes=checkpoint_bytes(final),
+                phases=pending.phases(),
             )
         )
         if self.on_published is not None:

@@ -86,6 +86,8 @@ class Checkpoint(Event):
     total_s: float
     """From the start of the save until it was published."""
     bytes: int
+    phases: dict[str, float] | None = None
+    """Rank 0's seconds per phase of the save, in order (``Checkpointer.save`` names them)."""
 
     @property
     def write_mb_s(self) -> float:
@@ -180,6 +182,8 @@ class Restart(Event):
     """Steps done since ``resumed_from_step`` that had to be redone."""
     recovery_s: float
     """From the fault to the first step completed after it."""
+    phases: dict[str, float] | None = None
+    """Seconds after the fault at which each stage of the recovery ended (rank 0's clock), in order."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -389,14 +393,18 @@ def recovery_layer(prior: list[Event], *, in_process_iteration: int, in_job_rest
     return "in_job" if bounds and isinstance(bounds[-1], RunStart) else None
 
 
-def describe_restart(prior: list[Event], *, layer: str, resumed_from: int, first_step: Step) -> Restart:
+def describe_restart(
+    prior: list[Event], *, layer: str, resumed_from: int, first_step: Step, marks: dict[str, float] | None = None
+) -> Restart:
     """The ``restart`` event for a recovery, from the events written before it.
 
     ``recovery_s`` runs from the fault to ``first_step``, the first step completed after it, on
     one clock: from the ``fault`` event when the host that wrote it also wrote ``first_step``;
     otherwise (a fault on another host, or not injected) from the last step that host completed
     before the fault, which may add up to one step's time. ``lost_steps`` are the steps done since
-    ``resumed_from`` that must be redone.
+    ``resumed_from`` that must be redone. ``marks`` (unix times on the first step's host, in order)
+    become ``phases``, as seconds after the fault; marks before it (a process that outlived the
+    fault) are left out.
     """
     # File order, not timestamps, says what happened since the last (re)start: no clock involved.
     since = max((i for i, e in enumerate(prior) if isinstance(e, Restart | RunStart)), default=-1)
@@ -414,6 +422,7 @@ def describe_restart(prior: list[Event], *, layer: str, resumed_from: int, first
         resumed_from_step=resumed_from,
         lost_steps=max(0, max((e.step for e in steps), default=resumed_from) - resumed_from),
         recovery_s=first_step.time - start,
+        phases={**{k: t - start for k, t in (marks or {}).items() if t >= start}, "first_step": first_step.time - start},
     )
 
 

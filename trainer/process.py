@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
+import time
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -13,3 +16,10 @@ def die_with_parent(sig: signal.Signals = signal.SIGTERM) -> None:
     outlives the process that started it: a launcher killed outright still stops its children.
     """
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+def process_start_time() -> float:
+    """When this process started, in unix seconds (Linux; about 10 ms resolution)."""
+    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+    uptime = float(Path("/proc/uptime").read_text().split()[0])  # both count from boot
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))

@@ -41,11 +41,13 @@ from trainer.events import (
     select,
 )
 from trainer.faults import FaultInjector
-from trainer.process import die_with_parent
+from trainer.process import die_with_parent, process_start_time
 from trainer.rank.config import Timeouts, TrainConfig, add_train_arguments
 from trainer.rank.resilience import AsyncCheckpointWriter, Attempt, RankMonitor, make_store, run_restartable
 from trainer.rank.runtime import build_fsdp_model, detect_runtime, init_process_group, rng_state, set_rng_state
 from trainer.storage.mirror import CheckpointMirror
+
+IMPORTED_AT = time.time()  # a recovery's timeline: a new process has paid its imports by now
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -168,6 +170,7 @@ def _job_id() -> str:
 
 
 def _train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror | None, preemption: Preemption, attempt: Attempt) -> None:
+    marks = {"process_started": process_start_time(), "imports_done": IMPORTED_AT}  # a recovery's timeline
     rt = detect_runtime()
     timeouts = Timeouts(cfg.hang_timeout, cfg.inprocess_restart)
     init_process_group(rt, make_store(attempt, timeouts.barrier), timeouts.collective)
@@ -178,6 +181,7 @@ def _train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror 
     ckpt_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeouts.barrier))
     save_timeout = timeouts.collective if writer.mode == "async" else timeouts.barrier
     save_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=save_timeout))
+    marks["process_group"] = time.time()
     run_dir = Path(cfg.run_dir)
     events = EventLog(run_dir, rt.rank)
     prior = read_events(run_dir) if rt.rank == 0 else []
@@ -189,6 +193,7 @@ def _train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror 
     loader = TokenLoader(load_split(local_data(cfg.data, run_dir), "train"), cfg.size.seq_len, cfg.batch_size, rt.rank, rt.world_size)
     state = TrainState(model, optimizer, loader, monitor, ckpt_group)
     faults = FaultInjector(cfg.faults, run_dir, rt.rank, events)
+    marks["model_built"] = time.time()
 
     def alive() -> None:
         monitor.heartbeat()
@@ -202,6 +207,7 @@ def _train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror 
     if mirror is not None and not published_checkpoints(checkpointer.root):  # a fresh machine: resume from the mirror
         mirror.restore(fingerprint=cfg.trajectory_hash(), world_size=rt.world_size)
     start = checkpointer.load_latest(state.load)
+    marks["resumed"] = time.time()
     if rt.rank == 0 and layer is None:  # (layer is only known on rank 0, which writes these events)
         events.emit(RunStart(config=cfg.to_dict(), resumed_from_step=start, world_size=rt.world_size))
 
@@ -221,7 +227,7 @@ def _train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror 
         if rt.rank == 0:
             done = events.emit(Step(step=step, loss=loss, step_time_s=step_time, tokens=tokens_per_step))
             restart = (
-                events.emit(describe_restart(prior, layer=layer, resumed_from=start, first_step=done))
+                events.emit(describe_restart(prior, layer=layer, resumed_from=start, first_step=done, marks=marks))
                 if layer and step == start + 1
                 else None
             )
