@@ -492,25 +492,23 @@ class ApiServer:
         h.send_response(200)
         h.send_header("Content-Type", "text/plain")
         if not follow:
-            data = log.read_bytes() if log.exists() else b""
+            data = log.read_bytes()
             h.send_header("Content-Length", str(len(data)))
             h.end_headers()
             h.wfile.write(data)
             return
         h.send_header("Transfer-Encoding", "chunked")
         h.end_headers()
-        offset = 0
         try:
-            while True:
-                alive = running()  # read before the bytes: what the container wrote before it ended is sent
-                data = log.read_bytes()[offset:] if log.exists() else b""
-                if data:
-                    h.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
-                    h.wfile.flush()
-                    offset += len(data)
-                if not alive or self.stopping.is_set():
-                    break
-                time.sleep(0.2)
+            with open(log, "rb") as f:  # the kubelet opens it before the container starts
+                while True:
+                    alive = running()  # read before the bytes: what the container wrote before it ended is sent
+                    if data := f.read():
+                        h.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                        h.wfile.flush()
+                    if not alive or self.stopping.is_set():
+                        break
+                    time.sleep(0.2)
             h.wfile.write(b"0\r\n\r\n")
         except (BrokenPipeError, ConnectionResetError):  # the client stopped following
             pass
