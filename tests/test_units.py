@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import queue
 from pathlib import Path
 
 import numpy as np
@@ -203,7 +204,9 @@ def test_outside_internals_the_async_writer_relies_on() -> None:
     assert "async_fn_args[1] = item.preload_fn()" in inspect.getsource(PersistentAsyncCaller.async_loop)
     save_fn = filesystem_async.FileSystemWriterAsync.write_preloaded_data_multiproc
     assert list(inspect.signature(save_fn).parameters) == ["transform_list", "use_msc", "rank", "write_buckets", "global_results_queue"]
-    assert callable(filesystem_async._get_write_results_queue)
+    # The results queue is this global, created on first use when it is None.
+    assert filesystem_async._results_queue is None or isinstance(filesystem_async._results_queue, queue.SimpleQueue)
+    assert "global _results_queue" in inspect.getsource(filesystem_async._get_write_results_queue)
     assert callable(_state_dict_utils._copy_state_dict) and callable(_state_dict_utils._create_cpu_state_dict)
 
 

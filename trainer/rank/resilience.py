@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from nvidia_resiliency_ext import inprocess
+from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
 from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest, PersistentAsyncCaller
-from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync, _get_write_results_queue
+from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
 from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import CheckpointMetadataCache, save_state_dict_async_plan
 from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
@@ -42,8 +43,10 @@ PORT_BASE_ENV = "RFSDP_PORT_BASE"
 # - ``PersistentAsyncCaller``'s ``process``, ``queue`` and ``comp_q`` attributes: to respawn a dead
 #   worker, to stop it without NVRx's ``close()`` (which joins a queue a dead worker never answers),
 #   and to empty the completion queue we do not read (its feeder would block the worker's exit).
-# - ``filesystem_async._get_write_results_queue``: NVRx starts a manager process for its results
-#   queue at the first save; starting it up front keeps that out of the first save's stall.
+# - ``filesystem_async._results_queue``: NVRx's writer takes its results queue from this global,
+#   creating it with a multiprocessing Manager (a spawned server process: seconds, on the path of
+#   every in-job restart, or in the first save's stall). The worker here reports into a queue of
+#   its own (``_write_shard``) and NVRx's is never read, so a placeholder is put there instead.
 # torch internals (2.13): ``_create_cpu_state_dict`` / ``_copy_state_dict`` stage the state into
 # reused shared-memory buffers, as ``dcp.async_save`` does.
 
@@ -81,6 +84,10 @@ def _warm_up() -> None:
     """
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     die_with_parent(signal.SIGKILL)
+
+
+_NEVER_READ_RESULTS_QUEUE = queue.SimpleQueue()
+"""Stands in for NVRx's Manager-backed results queue, which this writer never reads."""
 
 
 def _outcome_name(rank: int) -> str:
@@ -154,9 +161,10 @@ class AsyncCheckpointWriter:
         self._sent = 0  # last request handed to the worker
         self._caller: PersistentAsyncCaller | None = None
         self._current: _Incarnation | None = None
-        # Start the worker (a spawned interpreter: seconds) and NVRx's results manager now. The
-        # warm-up is not a write the training loop waits for: the first write queues behind it.
-        _get_write_results_queue()
+        # Start the worker (a spawned interpreter: seconds) now, in the background: the warm-up is
+        # not a write the training loop waits for; the first write queues behind it.
+        if filesystem_async._results_queue is None:
+            filesystem_async._results_queue = _NEVER_READ_RESULTS_QUEUE
         self._ensure_worker()
 
     def start(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:

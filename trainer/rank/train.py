@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from functools import partial
 from pathlib import Path
 
@@ -267,10 +268,16 @@ def main(argv: list[str] | None = None) -> None:
             run_restartable(restartable, timeouts, cuda=cuda, max_restarts=cfg.max_inprocess_restarts)
         else:
             train(cfg, writer, mirror, preemption, Attempt())
-    finally:
-        writer.close()
-        if mirror is not None:  # a failing process must not delay its restart for an upload
-            mirror.close(wait=sys.exc_info()[0] is None)
+    except BaseException:
+        # A failing rank leaves at once: the launcher restarts the job as soon as it is gone. Its
+        # background writer dies with it (PDEATHSIG) and what it was writing is never published;
+        # a polite shutdown (the writer's last write, the interpreter's teardown) took seconds.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    writer.close()
+    if mirror is not None:
+        mirror.close()
 
 
 if __name__ == "__main__":  # required: NVRx's checkpoint worker is started with spawn
