@@ -12,8 +12,21 @@ import pytest
 from mlflow import MlflowClient
 
 from tests.conftest import MlflowServer, rfsdp
+from trainer.errors import ParameterError
 from trainer.events import Checkpoint, Restart, Step, from_record, read_events, summarize
-from trainer.results.tracking import EVENTS_HASH_TAG, TrackingError, log_run
+from trainer.results.summary import VERDICT, headline_metrics
+from trainer.results.tracking import (
+    EVENTS_HASH_TAG,
+    FAILED_STEP_TAG,
+    FAILURE_REASON_TAG,
+    Failure,
+    TrackingError,
+    check_tracking_uri,
+    log_failed_attempt,
+    log_run,
+    logged_runs,
+    run_url,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -101,6 +114,7 @@ def test_faulty_run_logged_to_real_server(faulty_run: Path, mlflow_server: Mlflo
     assert (p["ckpt_mode"], p["fault"], p["world_size"], p["backend"], p["steps"]) == ("async", SPEC, "2", "local", "30")
     assert run.data.tags["kfp_run_id"] == "run-123" and run.data.tags["rfsdp.valid"] == "true"
     assert run.info.status == "FINISHED"
+    assert run_url(mlflow_server.uri, run_id) == f"{mlflow_server.uri}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
 
     # artifacts: the events file byte for byte, the validation report, the restart table
     dst = Path(client.download_artifacts(run_id, "events.jsonl", str(faulty_run.parent / "dl")))
@@ -169,3 +183,64 @@ def test_server_down_retries_then_fails_clearly_and_nothing_is_lost(faulty_run: 
     events = read_events(faulty_run)
     assert run.data.metrics["restarts"] == sum(isinstance(e, Restart) for e in events)
     assert run.data.metrics["checkpoints"] == sum(isinstance(e, Checkpoint) for e in events)
+
+
+def test_a_pipeline_failure_is_logged_failed_then_cleared_when_the_run_succeeds(faulty_run: Path, tmp_path: Path) -> None:
+    """The exit handler's path: a failed pipeline run ends FAILED with the step and reason; the same
+    run dir logged again after a successful resume is FINISHED with the failure tags gone."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    failure = Failure("validate checkpoint", "RuntimeError: checkpoint at step 30 is invalid: failed check(s): replays")
+    run_id = log_run(faulty_run, tracking_uri=uri, experiment="failures", failure=failure, run_name="fsdp-a")
+    run = client.get_run(run_id)
+    assert (run.info.status, run.info.run_name) == ("FAILED", "fsdp-a")
+    assert run.data.tags[FAILED_STEP_TAG] == failure.step and run.data.tags[FAILURE_REASON_TAG] == failure.reason
+    assert run.data.metrics["restarts"] == sum(isinstance(e, Restart) for e in read_events(faulty_run))  # the events are logged too
+
+    assert log_run(faulty_run, tracking_uri=uri, experiment="failures") == run_id  # nothing new but the outcome
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert not {FAILED_STEP_TAG, FAILURE_REASON_TAG} & set(run.data.tags)
+    assert run_url(uri, run_id) == f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run_id}"  # `mlflow ui`
+
+
+def test_a_run_that_failed_before_training_is_its_own_failed_run(faulty_run: Path, tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    failure = Failure("check parameters", "ParameterError: fault: exception@5:0 and sigkill@5:1 are both at step 5")
+    run_id = log_failed_attempt("kfp-run-1", failure, tracking_uri=uri, experiment="e", run_name="rfsdp-1", tags={"backend": "kubernetes"})
+    assert log_failed_attempt("kfp-run-1", failure, tracking_uri=uri, experiment="e", run_name="rfsdp-1") == run_id  # idempotent
+    other = log_failed_attempt("kfp-run-2", failure, tracking_uri=uri, experiment="e", run_name="rfsdp-2")
+    assert other != run_id
+    run = MlflowClient(uri).get_run(run_id)
+    assert run.info.status == "FAILED" and run.data.tags[FAILURE_REASON_TAG] == failure.reason and run.data.tags["backend"] == "kubernetes"
+    logged = log_run(faulty_run, tracking_uri=uri, experiment="e")
+    assert [r.run_id for r in logged_runs("e", uri)] == [logged], "runs without events are not compared"
+
+
+def test_headline_metrics_are_rounded_and_named_for_a_person(faulty_run: Path) -> None:
+    events = read_events(faulty_run)
+    figures, headline = summarize(events), headline_metrics(events, valid=True)
+    assert headline["goodput (%)"] == round(figures["goodput"] * 100, 1)
+    assert headline["restarts in-process"] == figures["restarts_in_process"] == 1
+    assert headline["restarts in-job"] == figures["restarts_in_job"] == 1
+    assert headline["recovery max (s)"] == round(figures["recovery_s_max"], 2)
+    assert headline["checkpoint stall p50 (s)"] == round(figures["ckpt_blocking_s_p50"], 3)
+    assert headline["final loss"] == round(figures["final_loss"], 4) and headline[VERDICT] == 1
+    assert VERDICT not in headline_metrics(events, valid=None)  # not validated: no verdict shown
+    assert headline_metrics([], valid=None) == {}
+
+
+@pytest.mark.parametrize(
+    ("uri", "problem"),
+    [
+        ("mlflow.example.com:5000", "is not an MLflow tracking URI"),
+        ("http://", "names no host"),
+        ("sqlite://relative.db", "is not sqlite:///PATH"),
+        ("ftp://host/x", "is not an MLflow tracking URI"),
+    ],
+)
+def test_malformed_tracking_uris_are_refused(uri: str, problem: str) -> None:
+    with pytest.raises(ParameterError, match=f"^--tracking-uri: '{re.escape(uri)}' {problem}"):
+        check_tracking_uri(uri)
+    for good in ("http://mlflow.ns:5000", "https://mlflow.example.com", "sqlite:////mnt/rfsdp/mlflow.db", "postgresql+psycopg2://u@db/m"):
+        assert check_tracking_uri(good) == good

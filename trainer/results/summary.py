@@ -1,4 +1,6 @@
-"""A short human summary of a run directory (used by ``rfsdp train`` and ``make demo``)."""
+"""A short human summary of a run directory: the tables ``rfsdp train`` and ``make demo`` print,
+and the headline figures and Markdown report the pipeline shows in the Kubeflow UI.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +10,79 @@ from rich.console import Console
 from rich.table import Table
 
 from trainer.checkpoint import CHECKPOINTS, latest_checkpoint, published_checkpoints
-from trainer.events import Checkpoint, FaultFired, Restart, corrupt_lines, final_losses, latest_end, read_events, select
+from trainer.events import (
+    RESTART_LAYERS,
+    Checkpoint,
+    Event,
+    FaultFired,
+    Restart,
+    corrupt_lines,
+    final_losses,
+    latest_end,
+    read_events,
+    select,
+    summarize,
+)
+
+# (name shown to a person, summary figure, scale, decimals): the figures a run is judged by.
+_HEADLINE = (
+    ("goodput (%)", "goodput", 100, 1),
+    *((f"restarts {layer.replace('_', '-')}", f"restarts_{layer}", 1, 0) for layer in RESTART_LAYERS),
+    ("recovery p50 (s)", "recovery_s_p50", 1, 2),
+    ("recovery max (s)", "recovery_s_max", 1, 2),
+    ("lost steps", "lost_steps", 1, 0),
+    ("checkpoint stall p50 (s)", "ckpt_blocking_s_p50", 1, 3),
+    ("checkpoint overhead (%)", "ckpt_overhead", 100, 2),
+    ("final loss", "final_loss", 1, 4),
+)
+VERDICT = "checkpoint valid (1 yes, 0 no)"
+"""The headline figure holding the validation verdict."""
+
+
+def headline_metrics(events: list[Event], valid: bool | None) -> dict[str, float]:
+    """The figures a person reads first, rounded and named with their units (the pipeline's one
+    KFP ``Metrics`` artifact). Figures a run does not define (no restart: no recovery time) and a
+    verdict that was never reached are left out.
+
+    Args:
+        events: the run's events (empty when training never started).
+        valid: the validation verdict on the run's checkpoint (None: not validated).
+    """
+    figures = summarize(events) if events else {}
+    out = {name: round(figures[key] * scale, digits) for name, key, scale, digits in _HEADLINE if figures.get(key) is not None}
+    if valid is not None:
+        out[VERDICT] = float(valid)
+    return out
+
+
+def run_report(
+    name: str,
+    *,
+    status: str,
+    headline: dict[str, float],
+    mlflow_url: str,
+    failed_step: str = "",
+    reason: str = "",
+    validation: str = "",
+) -> str:
+    """The run's Markdown report for the Kubeflow UI.
+
+    Args:
+        name: the training run's name.
+        status: how the pipeline run ended (SUCCEEDED, FAILED, ...).
+        headline: from :func:`headline_metrics`.
+        mlflow_url: the MLflow run's page.
+        failed_step: the step that failed ("" none).
+        reason: why it failed.
+        validation: the validation's own Markdown table ("" when it did not run).
+    """
+    lines = [f"## Training run `{name}`: {status}", "", f"MLflow run: [{mlflow_url}]({mlflow_url})", ""]
+    if failed_step:
+        lines += [f"**Failed step:** {failed_step}", "", "```", reason.strip(), "```", ""]
+    if headline:
+        lines += ["| figure | value |", "|---|---|", *(f"| {k} | {v:g} |" for k, v in headline.items()), ""]
+    lines.append(validation or "Validation: did not run.\n")
+    return "\n".join(lines)
 
 
 def print_run_summary(run_dir: Path) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
+from trainer.errors import ParameterError
 from trainer.events import (
     EVENTS_FILE,
     Checkpoint,
@@ -55,6 +56,14 @@ VALIDATION_HASH_TAG = "rfsdp.validation_sha256"
 RESTARTS_TABLE = "restarts.json"
 CHECKPOINTS_TABLE = "checkpoints.json"
 VALIDATION_ARTIFACT = "validation.json"
+FAILED_STEP_TAG = "rfsdp.failed_step"
+"""Tag naming the pipeline step that failed (absent once the run succeeds)."""
+FAILURE_REASON_TAG = "rfsdp.failure_reason"
+"""Tag holding why that step failed."""
+ATTEMPT_TAG = "rfsdp.kfp_run"
+"""Tag identifying a pipeline run that failed before training wrote any event."""
+_TAG_MAX = 5000  # MLflow's limit of a tag value (SQL stores)
+_STORE_SCHEMES = ("http", "https", "sqlite", "file", "databricks", "postgresql", "mysql", "mssql")
 # Config fields that describe one invocation rather than the run (a resumed run may differ).
 _SESSION_FIELDS = ("stop_at_step",)
 _MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch call
@@ -62,6 +71,14 @@ _MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch call
 
 class TrackingError(RuntimeError):
     """The tracking store could not be reached or refused the run; nothing in the run dir changed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """Why a pipeline run failed: the step that failed and its reason."""
+
+    step: str
+    reason: str
 
 
 # --------------------------------------------------------------------------- pure: events -> figures
@@ -173,6 +190,39 @@ def resolve_tracking_uri(tracking_uri: str | None = None) -> str:
     return tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
 
 
+def check_tracking_uri(tracking_uri: str) -> str:
+    """``tracking_uri`` if MLflow can use it: a known scheme, a host for a server, a path for sqlite.
+
+    Raises:
+        ParameterError: naming ``tracking_uri``.
+    """
+    parsed = urlparse(tracking_uri)
+    scheme = parsed.scheme.split("+")[0]  # postgresql+psycopg2://...
+    if scheme not in _STORE_SCHEMES:
+        raise ParameterError("tracking_uri", f"{tracking_uri!r} is not an MLflow tracking URI (scheme one of {', '.join(_STORE_SCHEMES)})")
+    if scheme in ("http", "https") and not parsed.hostname:
+        raise ParameterError("tracking_uri", f"{tracking_uri!r} names no host")
+    if scheme == "sqlite" and not tracking_uri.startswith("sqlite:///"):
+        raise ParameterError("tracking_uri", f"{tracking_uri!r} is not sqlite:///PATH")
+    return tracking_uri
+
+
+def is_local_store(tracking_uri: str) -> bool:
+    """Whether the store is a file on the machine that logs (sqlite or a file store)."""
+    return urlparse(tracking_uri).scheme in ("sqlite", "file")
+
+
+def run_url(tracking_uri: str, run_id: str) -> str:
+    """The MLflow UI's page of a run: on the tracking server, or on ``mlflow ui`` (its default
+    address) for a local store.
+    """
+    from mlflow import MlflowClient
+
+    experiment_id = MlflowClient(tracking_uri=tracking_uri).get_run(run_id).info.experiment_id
+    base = tracking_uri.rstrip("/") if urlparse(tracking_uri).scheme in ("http", "https") else "http://127.0.0.1:5000"
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
 def artifact_location(tracking_uri: str, experiment: str) -> str | None:
     """Where a new experiment's artifacts go: beside a sqlite database; a server decides its own."""
     parsed = urlparse(tracking_uri)
@@ -266,6 +316,8 @@ def log_run(
     experiment: str = DEFAULT_EXPERIMENT,
     tags: dict[str, str] | None = None,
     validation: dict | None = None,
+    failure: Failure | None = None,
+    run_name: str | None = None,
     retries: int = 5,
     backoff_s: float = 1.0,
 ) -> str:
@@ -286,6 +338,10 @@ def log_run(
         experiment: MLflow experiment name (created when missing).
         tags: extra run tags, e.g. the KFP run id and URL; ``backend`` also becomes a param.
         validation: the ``rfsdp validate`` verdict, stored as ``validation.json``.
+        failure: why the pipeline run failed: the run ends FAILED with the step and reason as
+            tags. Without it the status follows the events, and the tags of an earlier failure
+            are removed (the run was resumed to success).
+        run_name: the MLflow run's name when it is created (default: the run dir's name).
         retries: attempts to reach an HTTP tracking server before giving up.
         backoff_s: first wait between attempts (doubles each time).
 
@@ -318,9 +374,75 @@ def log_run(
     from requests.exceptions import RequestException
 
     try:
-        return _log(run_dir, events_path, events, uri, experiment, key, hashes, tags or {}, validation)
+        return _log(run_dir, events_path, events, uri, experiment, key, hashes, tags or {}, validation, failure, run_name or run_dir.name)
     except (MlflowException, RequestException, OSError) as e:
         raise TrackingError(f"logging {run_dir} to MLflow at {uri} failed: {e}. {again}") from e
+
+
+def log_failed_attempt(
+    attempt: str,
+    failure: Failure,
+    *,
+    tracking_uri: str | None = None,
+    experiment: str = DEFAULT_EXPERIMENT,
+    tags: dict[str, str] | None = None,
+    params: dict[str, str] | None = None,
+    run_name: str,
+    retries: int = 5,
+) -> str:
+    """Log a pipeline run that failed before training wrote any event (idempotent per ``attempt``).
+
+    Args:
+        attempt: identity of the pipeline run (the KFP run id); repeating it reuses the MLflow run.
+        failure: the step that failed and why.
+        tracking_uri: MLflow tracking URI (default: see the module docstring).
+        experiment: MLflow experiment name (created when missing).
+        tags: extra run tags.
+        params: what the run was started with.
+        run_name: the MLflow run's name.
+        retries: attempts to reach an HTTP tracking server before giving up.
+
+    Returns:
+        The MLflow run id (status FAILED, the step and reason as tags).
+
+    Raises:
+        TrackingError: the tracking store is unreachable or failed.
+    """
+    uri = resolve_tracking_uri(tracking_uri)
+    wait_for_server(uri, retries=retries)
+    from mlflow.entities import Param, RunTag
+    from mlflow.exceptions import MlflowException
+    from requests.exceptions import RequestException
+
+    try:
+        client = _client(uri)
+        experiment_id = _experiment_id(client, uri, experiment)
+        found = client.search_runs([experiment_id], filter_string=f"tags.`{ATTEMPT_TAG}` = '{attempt}'", max_results=1)
+        run_id = found[0].info.run_id if found else client.create_run(experiment_id, run_name=run_name).info.run_id
+        logged = found[0].data.params if found else {}
+        run_tags = {**(tags or {}), ATTEMPT_TAG: attempt, **_failure_tags(failure)}
+        client.log_batch(
+            run_id,
+            params=[Param(k, v) for k, v in (params or {}).items() if k not in logged],
+            tags=[RunTag(k, v) for k, v in run_tags.items()],
+        )
+        client.set_terminated(run_id, "FAILED")
+        return run_id
+    except (MlflowException, RequestException, OSError) as e:
+        raise TrackingError(f"logging the failed run {attempt} to MLflow at {uri} failed: {e}") from e
+
+
+def _failure_tags(failure: Failure) -> dict[str, str]:
+    return {FAILED_STEP_TAG: failure.step, FAILURE_REASON_TAG: failure.reason[-_TAG_MAX:]}  # the end of a reason says the most
+
+
+def _client(uri: str) -> MlflowClient:
+    """A client of ``uri``; a sqlite store's folder is created first."""
+    from mlflow import MlflowClient
+
+    if urlparse(uri).scheme == "sqlite":
+        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    return MlflowClient(tracking_uri=uri)
 
 
 def _log(
@@ -333,29 +455,37 @@ def _log(
     hashes: dict[str, str],
     tags: dict[str, str],
     validation: dict | None,
+    failure: Failure | None,
+    run_name: str,
 ) -> str:
-    from mlflow import MlflowClient
     from mlflow.entities import Metric, Param, RunTag
 
-    if urlparse(uri).scheme == "sqlite":
-        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    client = MlflowClient(tracking_uri=uri)
+    client = _client(uri)
     experiment_id = _experiment_id(client, uri, experiment)
     found = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{key}'", max_results=2)
     run_tags = {**tags, RUN_KEY_TAG: key, "rfsdp.run_dir": str(run_dir.resolve())}
     if validation is not None and "valid" in validation:
         run_tags["rfsdp.valid"] = str(validation["valid"]).lower()
+    if failure is not None:
+        run_tags.update(_failure_tags(failure))
+    status = "FAILED" if failure is not None or not session_finished(events) else "FINISHED"
+    end_time = int(events[-1].time * 1000)
     if found:
         run = found[0]
+        for stale in (FAILED_STEP_TAG, FAILURE_REASON_TAG):  # an earlier failure this run has got past
+            if failure is None and stale in run.data.tags:
+                client.delete_tag(run.info.run_id, stale)
         if all(run.data.tags.get(k) == v for k, v in hashes.items()):
             # Nothing new since the last complete logging; only tags that differ (e.g. a new KFP run) are set.
             changed = [RunTag(k, str(v)) for k, v in run_tags.items() if run.data.tags.get(k) != str(v)]
             if changed:
                 client.log_batch(run.info.run_id, tags=changed)
+            if run.info.status != status:
+                client.set_terminated(run.info.run_id, status, end_time=end_time)
             return run.info.run_id
         run_id = run.info.run_id
     else:
-        run_id = client.create_run(experiment_id, start_time=int(events[0].time * 1000), run_name=run_dir.name).info.run_id
+        run_id = client.create_run(experiment_id, start_time=int(events[0].time * 1000), run_name=run_name).info.run_id
 
     params = run_params(events, tags)
     # Params are immutable in MLflow: only the ones not logged yet (a re-log writes the same).
@@ -373,8 +503,7 @@ def _log(
     client.log_artifact(run_id, str(events_path))
     if validation is not None:
         client.log_dict(run_id, validation, VALIDATION_ARTIFACT)
-    finished = session_finished(events)
-    client.set_terminated(run_id, "FINISHED" if finished else "FAILED", end_time=int(events[-1].time * 1000))
+    client.set_terminated(run_id, status, end_time=end_time)
     # Last: only a complete logging marks the run as up to date.
     client.log_batch(run_id, tags=[RunTag(k, v) for k, v in hashes.items()])
     return run_id
