@@ -1,32 +1,55 @@
+from typing import NamedTuple
+
 from kfp import dsl
-from kfp.dsl import Artifact, Input
+from kfp.dsl import Markdown, Metrics, Output
 
 from components import IMAGE
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
 def log_to_mlflow(
-    run: Input[Artifact], validation: dict, tracking_uri: str, experiment: str, run_name: str, backend: str, pipeline_job: str
-) -> str:
-    """Log the run (config, per-step losses, checkpoints, faults, restarts, validation) to MLflow.
+    status: dsl.PipelineTaskFinalStatus,
+    training_run: str,
+    backend: str,
+    tracking_uri: str,
+    experiment: str,
+    pipeline_job: str,
+    pipeline_job_id: str,
+    metrics: Output[Metrics],
+    report: Output[Markdown],
+) -> NamedTuple("Logged", [("mlflow_run_id", str), ("mlflow_url", str), ("training_run", str)]):
+    """The exit handler: log the run to MLflow however the pipeline ended, and show its headline.
 
     Args:
-        run: the run dir from the train step.
-        validation: the validation report of the run's checkpoint.
-        tracking_uri: MLflow tracking URI ("" = ``MLFLOW_TRACKING_URI`` or MLflow's default store).
-        experiment: MLflow experiment name.
-        run_name: the pipeline's run name (a tag).
+        status: how the steps ended (KFP fills it in).
+        training_run: the pipeline parameter ("" = derived from the KFP run).
         backend: where the train step ran (a tag and a param).
-        pipeline_job: the KFP pipeline job that produced the run (a tag).
+        tracking_uri: MLflow tracking URI ("" = ``MLFLOW_TRACKING_URI``, from the MLflow secret on a cluster).
+        experiment: MLflow experiment name.
+        pipeline_job: the KFP run's job name (a tag).
+        pipeline_job_id: the KFP run's id (a tag).
+        metrics: the headline figures (goodput, restarts, recovery, checkpoint stall and overhead, loss, verdict).
+        report: the run summary, the validation table and the MLflow run's URL.
 
     Returns:
-        The MLflow run id (the same one when the step is repeated for the same run).
+        The MLflow run's id and URL, and the training run's name.
     """
     from pathlib import Path
 
-    from trainer.results.tracking import log_run
+    from components.runs import log_pipeline_run
 
-    tags = {"run_name": run_name, "backend": backend, "kfp_pipeline_job": pipeline_job}
-    run_id = log_run(Path(run.path), tracking_uri=tracking_uri or None, experiment=experiment, tags=tags, validation=validation)
-    print(f"MLflow run {run_id} in experiment {experiment!r}")
-    return run_id
+    logged = log_pipeline_run(
+        state=status.state,
+        error_message=status.error_message or "",
+        training_run=training_run,
+        backend=backend,
+        tracking_uri=tracking_uri,
+        experiment=experiment,
+        pipeline_job=pipeline_job,
+        pipeline_job_id=pipeline_job_id,
+    )
+    for name, value in logged.headline.items():
+        metrics.log_metric(name, value)
+    Path(report.path).write_text(logged.markdown)
+    print(f"pipeline {status.state}; training run {logged.training_run}; MLflow run {logged.mlflow_url}")
+    return logged.mlflow_run_id, logged.mlflow_url, logged.training_run

@@ -1,30 +1,30 @@
 from kfp import dsl
-from kfp.dsl import Artifact, Dataset, Input, Markdown, Metrics, Output
+from kfp.dsl import Artifact, Dataset, Input
 
 from components import IMAGE
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
-def validate_checkpoint(run: Input[Artifact], data: Input[Dataset], metrics: Output[Metrics], report: Output[Markdown]) -> dict:
+def validate_checkpoint(run: Input[Artifact], data: Input[Dataset], training_run: str, pipeline_job_id: str) -> None:
     """Check the run's newest checkpoint in a single process; fail the pipeline when it is invalid.
+
+    The verdict goes into the run's record for the exit handler, which shows it in the run's
+    report and logs it to MLflow; here only its one-line summary is printed.
 
     Args:
         run: the run dir from the train step.
         data: the prepared data set (held-out split for evaluation).
-        metrics: the validation metrics (shown in the Kubeflow UI).
-        report: the verdict and every check as Markdown.
-
-    Returns:
-        The validation report as a dict (handed to the MLflow step).
+        training_run: the training run's name (where the verdict is recorded).
+        pipeline_job_id: the KFP run (tags the record).
     """
     from pathlib import Path
 
+    from components.runs import VALIDATE_STEP, record_validation, recorded
     from trainer.results.validate import validate_run
 
-    result = validate_run(Path(run.path), data=Path(data.path))
-    for name, value in result.metrics().items():
-        metrics.log_metric(name, value)
-    Path(report.path).write_text(result.to_markdown())
-    if not result.valid:
-        raise RuntimeError(f"checkpoint at step {result.step} is invalid: failed check(s): {', '.join(result.failed)}")
-    return result.to_dict()
+    with recorded(training_run, pipeline_job_id, VALIDATE_STEP):
+        result = validate_run(Path(run.path), data=Path(data.path))
+        record_validation(training_run, pipeline_job_id, result.to_dict(), result.to_markdown())
+        print(result.summary())
+        if not result.valid:
+            raise RuntimeError(f"checkpoint at step {result.step} is invalid: failed check(s): {', '.join(result.failed)}")

@@ -1,34 +1,45 @@
-"""The ``resilient_fsdp_training`` pipeline: prepare data -> train -> validate checkpoint -> log to MLflow.
+"""The ``resilient_fsdp_training`` pipeline: check -> prepare data -> train -> validate checkpoint,
+inside an exit handler that logs every run to MLflow (failed ones with the failing step and why)
+and shows its headline figures and report in the Kubeflow UI.
 
 Compile, run locally with ``kfp.local`` or upload and submit to a Kubeflow Pipelines server::
 
     rfsdp pipeline compile --out work/resilient_fsdp_training.yaml
     rfsdp pipeline run-local --set fault=exception@15:1,sigkill@30:0
-    rfsdp pipeline submit --host https://kfp.example.com --set backend=kubernetes --set run_name=exp-1
+    rfsdp pipeline submit --host https://kfp.example.com --set tracking_uri=http://mlflow.ns:5000
     rfsdp pipeline manifest --set nnodes=2 --set gpus=true     # the PyTorchJob the train step would create
 
-Parameters are checked (``check_parameters``) before anything is compiled, submitted or started;
-the train step checks them again before it starts a process or creates a job, which covers runs
-started from the Kubeflow UI.
+The defaults are those of a person starting a run from the Kubeflow UI: training runs as a
+PyTorchJob, the MLflow server comes from ``tracking_uri`` or the MLflow secret, and the training
+run's name is derived from the KFP run (an explicit ``training_run`` resumes that run).
+``run_local`` passes the local overrides itself. Parameters are checked (``check_parameters``)
+before anything is compiled, submitted or started; the first step checks them again, which
+covers runs started from the UI.
 """
 
 # No `from __future__ import annotations` here: KFP reads the real types of the pipeline signature.
+import contextlib
 import inspect
+import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from kfp import compiler, dsl, kubernetes
-from kfp.dsl import Artifact, Markdown, Metrics
+from kfp.dsl import Markdown, Metrics
 
 from components import IMAGE
+from components.check_run import check_run
 from components.log_to_mlflow import log_to_mlflow
 from components.prepare_data import prepare_data
+from components.runs import PREVIEW_RUN, cluster_params
+from components.runs import check_parameters as check_run_parameters
 from components.train import train
 from components.validate_checkpoint import validate_checkpoint
 from trainer.data import BUILTIN_CORPUS
-from trainer.launch import CREDENTIAL_SECRETS, WORKSPACE_MOUNT
+from trainer.errors import ParameterError
+from trainer.launch import CREDENTIAL_SECRETS, WORKSPACE_ENV, WORKSPACE_MOUNT
 from trainer.launch.spec import LaunchSpec
 from trainer.rank.config import config_defaults
 from trainer.results.tracking import DEFAULT_EXPERIMENT
@@ -36,20 +47,23 @@ from trainer.results.tracking import DEFAULT_EXPERIMENT
 PIPELINE_NAME = "resilient-fsdp-training"
 TRAIN = config_defaults()  # the pipeline's defaults are the config's and the launch spec's own
 LAUNCH = LaunchSpec()
+LOCAL_OVERRIDES = {"backend": "local"}
+"""What ``run_local`` sets unless told otherwise (besides a local ``tracking_uri``)."""
 
 
 class Outputs(NamedTuple):
-    """What a run of the pipeline produces."""
+    """What a run of the pipeline shows: the headline figures, the report, the MLflow run."""
 
-    run: Artifact
     metrics: Metrics
     report: Markdown
     mlflow_run_id: str
+    mlflow_url: str
+    training_run: str
 
 
 @dsl.pipeline(
     name=PIPELINE_NAME,
-    description="Resilient FSDP training: NVRx async checkpoints, in-process and in-job restart; validated checkpoint, MLflow run.",
+    description="Resilient FSDP training: NVRx async checkpoints, in-process and in-job restart; a validated checkpoint; MLflow.",
 )
 def resilient_fsdp_training(
     steps: int = TRAIN["steps"],
@@ -63,10 +77,10 @@ def resilient_fsdp_training(
     model: str = TRAIN["model"],
     seed: int = TRAIN["seed"],
     hang_timeout: float = TRAIN["hang_timeout"],
-    backend: str = "local",
-    run_name: str = "rfsdp-run",
+    backend: str = "kubernetes",
+    training_run: str = "",
     image: str = IMAGE,
-    namespace: str = "",
+    job_namespace: str = "",
     gpus: bool = False,
     cpu: str = "4",
     memory: str = "16Gi",
@@ -76,7 +90,7 @@ def resilient_fsdp_training(
     tracking_uri: str = "",
     experiment: str = DEFAULT_EXPERIMENT,
 ) -> Outputs:
-    """Train a transformer with FSDP that survives faults, validate its checkpoint, log it to MLflow.
+    """Train a transformer with FSDP that survives faults, validate its checkpoint, log every run to MLflow.
 
     Args:
         steps: Total optimizer steps of the run.
@@ -86,68 +100,66 @@ def resilient_fsdp_training(
         nproc_per_node: Worker processes per replica (one per GPU with gpus=true).
         max_restarts: In-job restarts ft_launcher may do before the job fails.
         inprocess_restart: Recover soft faults (exceptions, stuck Python) inside the running processes.
-        fault: Fault schedule KIND@STEP[:RANK],... KIND: exception, sigkill, hang, exit, sigterm (preemption), corrupt-event ("" none).
+        fault: Fault schedule KIND@STEP[:RANK],..., at most one per step. KIND: exception, sigkill, hang, exit,
+            sigterm (preemption), corrupt-event ("" none).
         model: Model size: tiny, small, base, large or 1b.
         seed: Seed of initialization and data order.
         hang_timeout: Seconds without a heartbeat before a rank counts as hung (the other timeouts derive from it).
-        backend: Where training runs: local (processes in the train step) or kubernetes (a PyTorchJob).
-        run_name: DNS-1035 name of the run: the PyTorchJob's name and its directory on the shared volume (a rerun resumes).
+        backend: Where training runs: kubernetes (a PyTorchJob) or local (processes inside the train step's pod).
+        training_run: Name of the training run ("" = derived from this KFP run, so every run starts afresh). A DNS-1035
+            name names the PyTorchJob and the run's folder on the shared volume: a rerun under it resumes the run.
         image: Container image of every step and worker (built from the project's Dockerfile).
-        namespace: Namespace of the PyTorchJob ("" = the pipeline's namespace).
+        job_namespace: Namespace of the PyTorchJob ("" = the namespace the pipeline runs in).
         gpus: Request one NVIDIA GPU per worker process (kubernetes).
         cpu: CPU request and limit per worker pod (kubernetes), e.g. 4 or 500m.
         memory: Memory request and limit per worker pod (kubernetes), e.g. 16Gi.
         source: Training corpus: a file or directory path, or builtin:python-docs.
-        pvc_name: ReadWriteMany PersistentVolumeClaim mounted at /mnt/rfsdp for the data and run dirs (kubernetes).
+        pvc_name: ReadWriteMany PersistentVolumeClaim mounted at /mnt/rfsdp in every step and worker: data, run dirs and their records.
         checkpoint_uri: Remote location (s3://bucket/prefix) durable checkpoints are mirrored to ("" none).
-        tracking_uri: MLflow tracking URI ("" = MLFLOW_TRACKING_URI or MLflow's default local store).
+        tracking_uri: MLflow tracking server, e.g. http://mlflow.NS:5000 ("" = the MLFLOW_TRACKING_URI key of the
+            rfsdp-mlflow secret; a kubernetes run with neither is refused).
         experiment: MLflow experiment name.
     """
-    data = prepare_data(source=source).set_display_name("prepare data")
-    trained = train(
-        data=data.outputs["data"],
-        steps=steps,
-        ckpt_every=ckpt_every,
-        ckpt_mode=ckpt_mode,
-        nnodes=nnodes,
-        nproc_per_node=nproc_per_node,
-        max_restarts=max_restarts,
-        inprocess_restart=inprocess_restart,
-        fault=fault,
-        model=model,
-        seed=seed,
-        hang_timeout=hang_timeout,
-        checkpoint_uri=checkpoint_uri,
-        backend=backend,
-        run_name=run_name,
-        image=image,
-        namespace=namespace,
-        pvc_name=pvc_name,
-        gpus=gpus,
-        cpu=cpu,
-        memory=memory,
-    ).set_display_name("train")
-    checked = validate_checkpoint(run=trained.outputs["run"], data=data.outputs["data"]).set_display_name("validate checkpoint")
+    kfp_run = {"pipeline_job": dsl.PIPELINE_JOB_NAME_PLACEHOLDER, "pipeline_job_id": dsl.PIPELINE_JOB_ID_PLACEHOLDER}
     logged = log_to_mlflow(
-        run=trained.outputs["run"],
-        validation=checked.outputs["Output"],
-        tracking_uri=tracking_uri,
-        experiment=experiment,
-        run_name=run_name,
-        backend=backend,
-        pipeline_job=dsl.PIPELINE_JOB_NAME_PLACEHOLDER,
+        training_run=training_run, backend=backend, tracking_uri=tracking_uri, experiment=experiment, **kfp_run
     ).set_display_name("log to MLflow")
-    # The train step must really run each time (it resumes its run dir); the others are cheap.
-    for task in (trained, checked, logged):
+    with dsl.ExitHandler(logged, name="run"):
+        checked = check_run(
+            steps=steps, ckpt_every=ckpt_every, ckpt_mode=ckpt_mode, nnodes=nnodes, nproc_per_node=nproc_per_node,
+            max_restarts=max_restarts, inprocess_restart=inprocess_restart, fault=fault, model=model, seed=seed,
+            hang_timeout=hang_timeout, backend=backend, training_run=training_run, image=image, job_namespace=job_namespace,
+            gpus=gpus, cpu=cpu, memory=memory, source=source, pvc_name=pvc_name, checkpoint_uri=checkpoint_uri,
+            tracking_uri=tracking_uri, experiment=experiment, **kfp_run,
+        ).set_display_name("check parameters")  # fmt: skip
+        name = checked.output
+        job_id = kfp_run["pipeline_job_id"]
+        data = prepare_data(source=source, training_run=name, pipeline_job_id=job_id).set_display_name("prepare data")
+        trained = train(
+            data=data.outputs["data"], steps=steps, ckpt_every=ckpt_every, ckpt_mode=ckpt_mode, nnodes=nnodes,
+            nproc_per_node=nproc_per_node, max_restarts=max_restarts, inprocess_restart=inprocess_restart, fault=fault,
+            model=model, seed=seed, hang_timeout=hang_timeout, checkpoint_uri=checkpoint_uri, backend=backend,
+            training_run=name, image=image, job_namespace=job_namespace, pvc_name=pvc_name, gpus=gpus, cpu=cpu,
+            memory=memory, pipeline_job_id=job_id,
+        ).set_display_name("train")  # fmt: skip
+        checked_ckpt = validate_checkpoint(
+            run=trained.outputs["run"], data=data.outputs["data"], training_run=name, pipeline_job_id=job_id
+        ).set_display_name("validate checkpoint")
+    tasks = (checked, data, trained, checked_ckpt, logged)
+    # The run resumes under its name and the record is rewritten each time: nothing may come from a cache.
+    for task in tasks:
         task.set_caching_options(False)
-    for task in (data, trained, checked, logged):
         task.set_container_image(image)
         for secret, keys in CREDENTIAL_SECRETS.items():
             kubernetes.use_secret_as_env(task, secret_name=secret, secret_key_to_env={k: k for k in keys}, optional=True)
-    # The train step hands data and run dir to the PyTorchJob's workers through this volume.
-    kubernetes.mount_pvc(trained, pvc_name=pvc_name, mount_path=WORKSPACE_MOUNT)
+        # The run's data, run dir and record live on this volume (the workers mount it too).
+        kubernetes.mount_pvc(task, pvc_name=pvc_name, mount_path=WORKSPACE_MOUNT)
     return Outputs(
-        run=trained.outputs["run"], metrics=checked.outputs["metrics"], report=checked.outputs["report"], mlflow_run_id=logged.output
+        metrics=logged.outputs["metrics"],
+        report=logged.outputs["report"],
+        mlflow_run_id=logged.outputs["mlflow_run_id"],
+        mlflow_url=logged.outputs["mlflow_url"],
+        training_run=logged.outputs["training_run"],
     )
 
 
@@ -182,81 +194,114 @@ def parse_assignments(items: Iterable[str]) -> dict[str, Any]:
     return values
 
 
-def check_parameters(overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """All parameters (defaults + ``overrides``) after the checks the train step makes before it
-    starts anything: training config, launch spec, fault schedule, run name, image, resources.
+def check_parameters(overrides: Mapping[str, Any], *, tracking_uri_env: str = "", steps_run_here: bool = False) -> dict[str, Any]:
+    """All parameters (defaults + ``overrides``) after the checks the first step makes before
+    anything starts: training config, launch spec, fault schedule, run name, image, resources,
+    checkpoint and tracking URIs.
+
+    Args:
+        overrides: pipeline parameters that differ from the defaults.
+        tracking_uri_env: the ``MLFLOW_TRACKING_URI`` the steps will see ("" for a cluster,
+            whose secret cannot be seen from here).
+        steps_run_here: the steps run on this machine (``run_local``), not in a cluster's pods.
 
     Raises:
-        ValueError: naming the bad parameter.
+        ParameterError: naming the bad parameter.
     """
-    from trainer.launch.k8s import build_pytorchjob, cluster_options, shared_paths
-    from trainer.launch.local import BACKENDS, job_from_parameters
-
     defaults = parameter_defaults()
     unknown = sorted(set(overrides) - set(defaults))
     if unknown:
         raise ValueError(f"unknown parameter(s) {', '.join(unknown)} (known: {', '.join(defaults)})")
     params = {**defaults, **overrides}
-    if params["backend"] not in BACKENDS:
-        raise ValueError(f"backend: {params['backend']!r} is not one of {', '.join(BACKENDS)}")
-    if not params["experiment"].strip():
-        raise ValueError("experiment: must not be empty")
-    data, run_dir = shared_paths(params["run_name"])
-    cfg, spec = job_from_parameters(params, data=data, run_dir=run_dir)
-    build_pytorchjob(cfg, spec, cluster_options(params))  # run name, image, resources: checked on every backend
+    check_run_parameters(params, params["training_run"] or PREVIEW_RUN, tracking_uri_env=tracking_uri_env, steps_run_here=steps_run_here)
     return params
 
 
 def pytorchjob_manifest(overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """The PyTorchJob the train step creates with ``backend=kubernetes`` and these parameters."""
+    """The PyTorchJob the train step creates with ``backend=kubernetes`` and these parameters
+    (named ``PREVIEW_RUN`` unless ``training_run`` is set: a KFP run derives its own name).
+    """
     from trainer.launch.k8s import build_pytorchjob, cluster_options, shared_paths, to_manifest
     from trainer.launch.local import job_from_parameters
 
-    params = check_parameters(overrides)
-    data, run_dir = shared_paths(params["run_name"])
+    # Only the job is shown here: where the run will be logged does not change it.
+    params = check_parameters({"tracking_uri": "http://mlflow.preview", **overrides})
+    name = params["training_run"] or PREVIEW_RUN
+    data, run_dir = shared_paths(name)
     cfg, spec = job_from_parameters(params, data=data, run_dir=run_dir)
-    return to_manifest(build_pytorchjob(cfg, spec, cluster_options(params)))
+    return to_manifest(build_pytorchjob(cfg, spec, cluster_options(cluster_params(params, name))))
 
 
 # ------------------------------------------------------------------ compile / run / submit
 def compile_pipeline(out: Path) -> Path:
-    """Compile the pipeline to KFP IR YAML (with the kubernetes platform document)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
+    """Compile the pipeline to KFP IR YAML (with the kubernetes platform document).
+
+    Raises:
+        ParameterError: ``out``'s folder does not exist (nothing is written).
+    """
+    if not out.parent.is_dir():
+        raise ParameterError("out", f"folder {out.parent} does not exist")
     compiler.Compiler().compile(pipeline_func=resilient_fsdp_training, package_path=str(out))
     return out
+
+
+@contextlib.contextmanager
+def _local_workspace(path: Path) -> Iterator[None]:
+    """Inside, the steps' shared volume is ``path`` (kfp.local mounts no volume; its steps inherit the env)."""
+    before = os.environ.get(WORKSPACE_ENV)
+    os.environ[WORKSPACE_ENV] = str(path.resolve())
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[WORKSPACE_ENV]
+        else:
+            os.environ[WORKSPACE_ENV] = before
 
 
 def run_local(overrides: Mapping[str, Any], root: Path) -> dict[str, Any]:
     """Run the whole pipeline with ``kfp.local`` (SubprocessRunner, this interpreter).
 
+    The local overrides come first: ``backend=local`` and the local MLflow store (or
+    ``MLFLOW_TRACKING_URI``); ``overrides`` may change them. The shared volume is
+    ``root/workspace``: run dirs live there under their training run's name.
+
     Args:
         overrides: pipeline parameters that differ from the defaults.
-        root: working directory: the pipeline root (artifacts) lives under it.
+        root: working directory: the pipeline root (artifacts) and the workspace live under it.
 
     Returns:
-        ``run_dir``, ``metrics`` (dict), ``report`` (path) and ``mlflow_run_id``.
+        ``training_run``, ``run_dir``, ``metrics`` (the headline figures), ``report`` (path),
+        ``mlflow_run_id``, ``mlflow_url`` and ``tracking_uri``.
 
     Raises:
-        ValueError: a bad parameter (nothing was started).
-        RuntimeError: a step failed (kfp.local names it).
+        ParameterError: a bad parameter (nothing was started or written).
+        RuntimeError: a step failed (kfp.local names it); the exit handler has logged the run.
     """
     import kfp.local
 
-    check_parameters(overrides)
+    from trainer.results.tracking import resolve_tracking_uri
+
+    overrides = {**LOCAL_OVERRIDES, "tracking_uri": resolve_tracking_uri(None), **overrides}
+    check_parameters(overrides, tracking_uri_env=os.environ.get("MLFLOW_TRACKING_URI", ""), steps_run_here=True)
     root.mkdir(parents=True, exist_ok=True)
     kfp.local.init(
         runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(root.resolve() / "pipeline_root"), raise_on_error=True
     )
     try:
-        task = resilient_fsdp_training(**overrides)
+        with _local_workspace(root / "workspace"):
+            task = resilient_fsdp_training(**overrides)
     finally:
         kfp.local.config.LocalExecutionConfig.instance = None  # the next run configures its own
     out = task.outputs
     return {
-        "run_dir": out["run"].path,
+        "training_run": out["training_run"],
+        "run_dir": root / "workspace" / out["training_run"] / "run",
         "metrics": dict(out["metrics"].metadata),
         "report": out["report"].path,
         "mlflow_run_id": out["mlflow_run_id"],
+        "mlflow_url": out["mlflow_url"],
+        "tracking_uri": overrides["tracking_uri"],
     }
 
 
@@ -274,57 +319,91 @@ def submit(
 
     Returns:
         ``pipeline_id``, ``version_id``, ``experiment_id`` and ``run_id``.
+
+    Raises:
+        ParameterError: a bad parameter (nothing was sent), or ``host`` is not a reachable KFP API.
     """
     import tempfile
 
     import kfp
+    from kfp_server_api.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
 
     params = check_parameters(overrides)
-    client = kfp.Client(host=host, namespace=namespace or "kubeflow", existing_token=existing_token)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = compile_pipeline(package or Path(tmp) / "pipeline.yaml")
-        pipeline_id = client.get_pipeline_id(PIPELINE_NAME)
-        if pipeline_id is None:  # first upload: the pipeline and its first version
-            pipeline_id = client.upload_pipeline(str(path), pipeline_name=PIPELINE_NAME, namespace=namespace).pipeline_id
-            versions = client.list_pipeline_versions(pipeline_id, page_size=1, sort_by="created_at desc").pipeline_versions
-            version_id = versions[0].pipeline_version_id
-        else:
-            name = f"{PIPELINE_NAME}-{time.strftime('%Y%m%d-%H%M%S')}"
-            version_id = client.upload_pipeline_version(str(path), name, pipeline_id=pipeline_id).pipeline_version_id
-    experiment = client.create_experiment(kfp_experiment, namespace=namespace)
-    run = client.run_pipeline(
-        experiment_id=experiment.experiment_id,
-        job_name=f"{params['run_name']}-{time.strftime('%Y%m%d-%H%M%S')}",
-        params=dict(overrides),
-        pipeline_id=pipeline_id,
-        version_id=version_id,
-        service_account=service_account,
-    )
+    _check_kfp_api(host, existing_token)
+    try:
+        client = kfp.Client(host=host, namespace=namespace or "kubeflow", existing_token=existing_token)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = compile_pipeline(package or Path(tmp) / "pipeline.yaml")
+            pipeline_id = client.get_pipeline_id(PIPELINE_NAME)
+            if pipeline_id is None:  # first upload: the pipeline and its first version
+                pipeline_id = client.upload_pipeline(str(path), pipeline_name=PIPELINE_NAME, namespace=namespace).pipeline_id
+                versions = client.list_pipeline_versions(pipeline_id, page_size=1, sort_by="created_at desc").pipeline_versions
+                version_id = versions[0].pipeline_version_id
+            else:
+                name = f"{PIPELINE_NAME}-{time.strftime('%Y%m%d-%H%M%S')}"
+                version_id = client.upload_pipeline_version(str(path), name, pipeline_id=pipeline_id).pipeline_version_id
+        experiment = client.create_experiment(kfp_experiment, namespace=namespace)
+        run = client.run_pipeline(
+            experiment_id=experiment.experiment_id,
+            job_name=f"{params['training_run'] or 'rfsdp'}-{time.strftime('%Y%m%d-%H%M%S')}",
+            params=dict(overrides),
+            pipeline_id=pipeline_id,
+            version_id=version_id,
+            service_account=service_account,
+        )
+    except (ApiException, HTTPError, OSError) as e:  # the server went away or refused a call: one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ParameterError("host", f"the KFP server at {host} failed: {first}") from e
     return {"pipeline_id": pipeline_id, "version_id": version_id, "experiment_id": experiment.experiment_id, "run_id": run.run_id}
 
 
-def print_local_result(result: Mapping[str, Any], overrides: Mapping[str, Any]) -> None:
-    """Show what a local pipeline run did: the run's tables, the verdict, where everything is."""
+def _check_kfp_api(host: str, token: str | None) -> None:
+    """One quick call to KFP's health endpoint: an unreachable host or another kind of server is
+    refused at once (kfp.Client would retry for half a minute, then raise a traceback).
+
+    Raises:
+        ParameterError: naming ``--host``.
+    """
+    import json
+    import urllib.error
+    import urllib.request
+
+    url = host.rstrip("/") + "/apis/v2beta1/healthz"
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            body = json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as e:
+        raise ParameterError("host", f"{host} is not a Kubeflow Pipelines API: GET {url} answered HTTP {e.code}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise ParameterError("host", f"cannot reach {host}: {getattr(e, 'reason', e)}") from None
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        raise ParameterError("host", f"{host} is not a Kubeflow Pipelines API: GET {url} did not answer KFP's health JSON")
+
+
+def print_local_result(result: Mapping[str, Any]) -> None:
+    """Show what a local pipeline run did: the run's tables, its headline, where everything is."""
     from rich.console import Console
     from rich.table import Table
 
     from trainer.events import EVENTS_FILE
     from trainer.results.summary import print_run_summary
-    from trainer.results.tracking import resolve_tracking_uri
 
     run_dir = Path(result["run_dir"])
     print_run_summary(run_dir)
-    metrics = result["metrics"]
-    checks = sorted(k.removesuffix("_passed") for k in metrics if k.endswith("_passed"))
-    table = Table(title=f"validation of step {int(metrics.get('step', 0))}: valid")
-    for column in ("check", "result", "seconds"):
+    table = Table(title=f"headline of {result['training_run']} (the pipeline's Metrics)")
+    for column in ("figure", "value"):
         table.add_column(column)
-    for check in checks:
-        table.add_row(check, "pass" if metrics[f"{check}_passed"] else "FAIL", f"{metrics.get(f'{check}_seconds', 0):.1f}")
+    for name, value in result["metrics"].items():
+        table.add_row(name, f"{value:g}")
     Console().print(table)
     # Plain lines, not a table: paths must not be cut to the terminal's width.
     print(f"run dir:           {run_dir}")
     print(f"events:            {run_dir / EVENTS_FILE}")
-    print(f"validation report: {result['report']}")
+    print(f"report:            {result['report']}")
     print(f"MLflow run id:     {result['mlflow_run_id']}")
-    print(f"MLflow UI:         mlflow ui --backend-store-uri {resolve_tracking_uri(overrides.get('tracking_uri') or None)}")
+    print(f"MLflow run:        {result['mlflow_url']}")
+    print(f"MLflow UI:         mlflow ui --backend-store-uri {result['tracking_uri']}")

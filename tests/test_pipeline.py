@@ -1,7 +1,9 @@
-"""The Kubeflow pipeline: compiled IR (strict protobuf parse), parameters checked before anything
-starts, the upload/submit path against a recording KFP server on loopback (a contract test: no
-real KFP server can run here), and one real end-to-end ``kfp.local`` run of the whole pipeline
-on 2 replicas x 1 CPU worker with an injected fault.
+"""The Kubeflow pipeline: compiled IR (strict protobuf parse: cluster defaults, a run-unique name,
+the exit handler, the headline Metrics), parameters checked before anything starts, the
+upload/submit path against a recording KFP server on loopback (a contract test: no real KFP server
+can run here) and its refusals, and real end-to-end ``kfp.local`` runs of the whole pipeline: with a
+fault, with its restarts exhausted (failed, and logged FAILED to MLflow), twice with the defaults,
+and resumed under an explicit name.
 """
 
 from __future__ import annotations
@@ -19,23 +21,34 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 import yaml
 from google.protobuf import json_format
+from kfp import dsl
 from kfp.dsl import Artifact, Dataset
 from kfp.kubernetes import kubernetes_executor_config_pb2
 from kfp.pipeline_spec import pipeline_spec_pb2
 
+from components.runs import FAILURE_FILE, TRAIN_STEP
 from components.train import train
-from pipelines.resilient_fsdp import PIPELINE_NAME, compile_pipeline, parameter_defaults, submit
+from pipelines.resilient_fsdp import PIPELINE_NAME, compile_pipeline, parameter_defaults, run_local, submit
 from trainer.cli import main
 from trainer.errors import ParameterError
-from trainer.events import Restart, read_events, select
-from trainer.launch import CREDENTIAL_SECRETS, WORKSPACE_MOUNT
+from trainer.events import Restart, RunStart, read_events, select
+from trainer.launch import CREDENTIAL_SECRETS, WORKSPACE_ENV, WORKSPACE_MOUNT
+from trainer.launch.spec import resolve_run_name
+from trainer.results.summary import VERDICT
+from trainer.results.tracking import FAILED_STEP_TAG, FAILURE_REASON_TAG
 
 ROOT = Path(__file__).resolve().parent.parent
-TASKS = ["prepare-data", "train", "validate-checkpoint", "log-to-mlflow"]
+MLFLOW = "http://mlflow.team-a:5000"
+BODY = ["check-run", "prepare-data", "train", "validate-checkpoint"]
+EXIT = "log-to-mlflow"
 EXPECTED_PARAMETERS = {
     "steps", "ckpt_every", "ckpt_mode", "nnodes", "nproc_per_node", "max_restarts", "inprocess_restart", "fault", "model", "seed",
-    "hang_timeout", "backend", "run_name", "image", "namespace", "gpus", "cpu", "memory", "source", "pvc_name", "checkpoint_uri",
-    "tracking_uri", "experiment",
+    "hang_timeout", "backend", "training_run", "image", "job_namespace", "gpus", "cpu", "memory", "source", "pvc_name",
+    "checkpoint_uri", "tracking_uri", "experiment",
+}  # fmt: skip
+HEADLINE = {
+    "goodput (%)", "restarts in-process", "restarts in-job", "recovery p50 (s)", "recovery max (s)", "lost steps",
+    "checkpoint stall p50 (s)", "checkpoint overhead (%)", "final loss", VERDICT,
 }  # fmt: skip
 
 
@@ -45,15 +58,14 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return list(yaml.safe_load_all(path.read_text()))
 
 
+def _spec(compiled: list[dict]) -> pipeline_spec_pb2.PipelineSpec:
+    return json_format.ParseDict(compiled[0], pipeline_spec_pb2.PipelineSpec(), ignore_unknown_fields=False)
+
+
 def test_compiled_ir_parses_strictly(compiled: list[dict]) -> None:
     assert len(compiled) == 2, "the IR and the kubernetes platform document"
-    spec = json_format.ParseDict(compiled[0], pipeline_spec_pb2.PipelineSpec(), ignore_unknown_fields=False)
+    spec = _spec(compiled)
     assert spec.pipeline_info.name == PIPELINE_NAME and spec.schema_version == "2.1.0"
-    # The four tasks, in order: each depends on the one before.
-    tasks = spec.root.dag.tasks
-    assert sorted(tasks) == sorted(TASKS)
-    for before, after in zip(TASKS, TASKS[1:], strict=False):
-        assert before in tasks[after].dependent_tasks, f"{after} must run after {before}"
     # Every parameter has a default and a description the Kubeflow UI shows.
     inputs = spec.root.input_definitions.parameters
     assert set(inputs) == EXPECTED_PARAMETERS
@@ -61,6 +73,52 @@ def test_compiled_ir_parses_strictly(compiled: list[dict]) -> None:
         assert param.description.strip(), f"parameter {name} has no description"
         assert param.HasField("default_value"), f"parameter {name} has no default"
     assert not [n for n in inputs if re.search("password|secret|token|access_key", n)], "credentials are never parameters"
+    assert not {"run_name", "namespace"} & set(inputs), "names beside KFP's own 'Run name' and profile namespace confuse"
+    # A person starting a run from the UI gets a PyTorchJob and a training run of its own.
+    assert inputs["backend"].default_value.string_value == "kubernetes"
+    assert inputs["training_run"].default_value.string_value == ""
+    assert inputs["tracking_uri"].default_value.string_value == ""
+
+
+def test_the_steps_run_inside_an_exit_handler_that_logs_every_run(compiled: list[dict]) -> None:
+    spec = _spec(compiled)
+    root = spec.root.dag.tasks
+    (handler,) = (name for name in root if name != EXIT)
+    body = spec.components[root[handler].component_ref.name].dag.tasks
+    assert sorted(body) == sorted(BODY)
+    for before, after in zip(BODY, BODY[1:], strict=False):
+        assert before in body[after].dependent_tasks, f"{after} must run after {before}"
+    exit_task = root[EXIT]
+    strategy = pipeline_spec_pb2.PipelineTaskSpec.TriggerPolicy.TriggerStrategy
+    assert exit_task.trigger_policy.strategy == strategy.ALL_UPSTREAM_TASKS_COMPLETED
+    assert exit_task.inputs.parameters["status"].task_final_status.producer_task == handler
+    # The exit handler finds the run by name: the same parameter and KFP run placeholders as the check step.
+    check = body["check-run"].inputs.parameters
+    for task_inputs in (check, exit_task.inputs.parameters):
+        assert task_inputs["training_run"].component_input_parameter.endswith("training_run")
+        assert task_inputs["pipeline_job"].runtime_value.constant.string_value == dsl.PIPELINE_JOB_NAME_PLACEHOLDER
+        assert task_inputs["pipeline_job_id"].runtime_value.constant.string_value == dsl.PIPELINE_JOB_ID_PLACEHOLDER
+    for step in ("prepare-data", "train", "validate-checkpoint"):  # the name the check step derived
+        named = body[step].inputs.parameters["training_run"].task_output_parameter
+        assert (named.producer_task, named.output_parameter_key) == ("check-run", "Output")
+
+
+def test_the_headline_is_the_one_metrics_artifact(compiled: list[dict]) -> None:
+    spec = _spec(compiled)
+    metrics = [
+        (component, name)
+        for component, c in spec.components.items()
+        for name, a in c.output_definitions.artifacts.items()
+        if a.artifact_type.schema_title == "system.Metrics"
+    ]
+    assert metrics == [(spec.root.dag.tasks[EXIT].component_ref.name, "metrics")]
+    exit_outputs = spec.components[spec.root.dag.tasks[EXIT].component_ref.name].output_definitions
+    assert exit_outputs.artifacts["report"].artifact_type.schema_title == "system.Markdown"
+    assert spec.root.output_definitions.artifacts["metrics"].artifact_type.schema_title == "system.Metrics"
+    # Large dicts are never parameters: no step passes a struct to another.
+    for c in spec.components.values():
+        for p in list(c.input_definitions.parameters.values()) + list(c.output_definitions.parameters.values()):
+            assert p.parameter_type != pipeline_spec_pb2.ParameterType.STRUCT
 
 
 def test_kubernetes_platform_config_parses_strictly(compiled: list[dict]) -> None:
@@ -70,13 +128,26 @@ def test_kubernetes_platform_config_parses_strictly(compiled: list[dict]) -> Non
         name: json_format.ParseDict(cfg, kubernetes_executor_config_pb2.KubernetesExecutorConfig(), ignore_unknown_fields=False)
         for name, cfg in executors.items()
     }
-    assert set(configs) == {f"exec-{t}" for t in TASKS}
+    assert set(configs) == {f"exec-{t}" for t in [*BODY, EXIT]}
     for name, cfg in configs.items():
         secrets = {s.secret_name_parameter.runtime_value.constant.string_value: s for s in cfg.secret_as_env}
         assert set(secrets) == set(CREDENTIAL_SECRETS), name
         assert all(s.optional for s in secrets.values())
-    mounts = configs["exec-train"].pvc_mount
-    assert [(m.mount_path, m.pvc_name_parameter.component_input_parameter) for m in mounts] == [(WORKSPACE_MOUNT, "pvc_name")]
+        assert "MLFLOW_TRACKING_URI" in {k.env_var for s in secrets.values() for k in s.key_to_env}, name
+        mounts = [(m.mount_path, m.pvc_name_parameter.component_input_parameter) for m in cfg.pvc_mount]
+        # Every step finds the run by its name on the volume (inside the exit handler the parameter is a channel).
+        assert [(path, param.removeprefix("pipelinechannel--")) for path, param in mounts] == [(WORKSPACE_MOUNT, "pvc_name")], name
+
+
+def test_the_default_training_run_is_unique_per_kfp_run_and_an_explicit_one_is_kept() -> None:
+    first = resolve_run_name("", "resilient-fsdp-training-x7k2p", "3f2a9c1e-0b7d-4e55-9a41-2c6d8e0f1a2b")
+    again = resolve_run_name("", "resilient-fsdp-training-x7k2p", "3f2a9c1e-0b7d-4e55-9a41-2c6d8e0f1a2b")
+    other = resolve_run_name("", "resilient-fsdp-training-q9w3z", "7c1d2e3f-4a5b-4c6d-8e9f-0a1b2c3d4e5f")
+    assert first == again != other
+    assert re.fullmatch(r"[a-z][-a-z0-9]*[a-z0-9]", first) and len(first) <= 53
+    assert resolve_run_name("fsdp-1b-a", "any", "any") == "fsdp-1b-a"
+    with pytest.raises(ParameterError, match="^training_run: 'Bad_Name' is not a DNS-1035 label"):
+        resolve_run_name("Bad_Name", "any", "any")
 
 
 @pytest.mark.parametrize(
@@ -85,11 +156,15 @@ def test_kubernetes_platform_config_parses_strictly(compiled: list[dict]) -> Non
         ("model=huge", "model: unknown model 'huge'"),
         ("fault=boom@3", "fault: unknown kind 'boom'"),
         ("fault=sigkill@5:7", "fault: rank 7"),
+        ("fault=exception@5:0,sigkill@5:1", "fault: exception@5:0 and sigkill@5:1 are both at step 5"),
         ("ckpt_every=0", "ckpt_every: must be positive"),
         ("nproc_per_node=0", "nproc_per_node: must be at least 1"),
-        ("run_name=Bad_Name", "run_name: 'Bad_Name' is not a DNS-1035 label"),
+        ("training_run=Bad_Name", "training_run: 'Bad_Name' is not a DNS-1035 label"),
         ("backend=slurm", "backend: 'slurm' is not one of local, kubernetes"),
         ("memory=lots", "memory: 'lots' is not a Kubernetes quantity"),
+        ("checkpoint_uri=/data/ckpts", "checkpoint_uri: '/data/ckpts' is not s3://bucket/prefix"),
+        ("tracking_uri=mlflow.example.com:5000", "tracking_uri: 'mlflow.example.com:5000' is not an MLflow tracking URI"),
+        ("tracking_uri=http://", "tracking_uri: 'http://' names no host"),
         ("steps=abc", "--set steps: 'abc' is not a valid int"),
         ("stepz=10", "--set: unknown parameter 'stepz'"),
     ],
@@ -98,13 +173,24 @@ def test_bad_parameters_fail_before_anything_starts(tmp_path: Path, capsys: pyte
     root = tmp_path / "root"
     assert main(["pipeline", "run-local", "--root", str(root), "--set", setting]) == 2
     err = capsys.readouterr().err
-    assert named in err and "Traceback" not in err
+    assert named in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not root.exists(), "nothing may be started or written"
 
 
-def test_train_step_rejects_bad_parameters_before_any_process(tmp_path: Path) -> None:
-    """A run started from the Kubeflow UI bypasses the CLI: the step itself checks first."""
+def test_compile_into_a_missing_folder_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "missing" / "pipeline.yaml"
+    assert main(["pipeline", "compile", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out: folder {out.parent} does not exist" in err and "Traceback" not in err
+    assert not out.parent.exists()
+
+
+def test_train_step_rejects_bad_parameters_before_any_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run started from the Kubeflow UI bypasses the CLI: the step itself checks first, and
+    records its refusal for the exit handler."""
+    monkeypatch.setenv(WORKSPACE_ENV, str(tmp_path / "workspace"))
     params = {k: v for k, v in parameter_defaults().items() if k in train.component_spec.inputs}
+    params.update(training_run="ui-run", pipeline_job_id="kfp-1")
     run = Artifact(uri=str(tmp_path / "run"))
     data = Dataset(uri=str(tmp_path / "data"))
     with pytest.raises(ValueError, match="fault: step 99 in 'exception@99' is outside the run"):
@@ -112,6 +198,9 @@ def test_train_step_rejects_bad_parameters_before_any_process(tmp_path: Path) ->
     with pytest.raises(ValueError, match="backend: 'slurm'"):
         train.python_func(data=data, run=run, **{**params, "backend": "slurm"})
     assert not (tmp_path / "run").exists()
+    record = json.loads((tmp_path / "workspace" / "ui-run" / FAILURE_FILE).read_text())
+    assert record == {"kfp_run": "kfp-1", "step": TRAIN_STEP, "reason": "ParameterError: backend: 'slurm' is not one of local, kubernetes"}
+    assert [p.name for p in (tmp_path / "workspace" / "ui-run").iterdir()] == [FAILURE_FILE], "no process, no run dir"
 
 
 # --------------------------------------------------------------------- recording KFP server
@@ -200,9 +289,17 @@ class RecordingKfpServer:
 def test_submit_uploads_then_versions_and_starts_runs(tmp_path: Path) -> None:
     server = RecordingKfpServer()
     try:
-        overrides = {"backend": "kubernetes", "run_name": "exp-7", "nnodes": 2, "nproc_per_node": 4, "gpus": True, "fault": "sigkill@30:5"}
+        overrides = {
+            "training_run": "exp-7",
+            "nnodes": 2,
+            "nproc_per_node": 4,
+            "gpus": True,
+            "fault": "sigkill@30:5",
+            "tracking_uri": MLFLOW,
+        }
         ids = submit(server.url, overrides, kfp_experiment="fsdp-runs", service_account="rfsdp-pipeline", package=tmp_path / "p.yaml")
         assert server.calls() == [
+            ("GET", "/apis/v2beta1/healthz"),  # ours: is it KFP at all?
             ("GET", "/apis/v2beta1/healthz"),
             ("GET", "/apis/v2beta1/pipelines"),
             ("POST", "/apis/v2beta1/pipelines/upload"),
@@ -211,22 +308,23 @@ def test_submit_uploads_then_versions_and_starts_runs(tmp_path: Path) -> None:
             ("POST", "/apis/v2beta1/experiments"),
             ("POST", "/apis/v2beta1/runs"),
         ]
-        upload = server.requests[2]
+        upload = server.requests[3]
         assert upload["query"]["name"] == [PIPELINE_NAME]
         assert server.uploaded_ir(upload) == next(yaml.safe_load_all((tmp_path / "p.yaml").read_text()))
-        assert server.requests[3]["query"]["sort_by"] == ["created_at desc"]
-        assert json.loads(server.requests[5]["body"])["display_name"] == "fsdp-runs"
-        run = json.loads(server.requests[6]["body"])
+        assert server.requests[4]["query"]["sort_by"] == ["created_at desc"]
+        assert json.loads(server.requests[6]["body"])["display_name"] == "fsdp-runs"
+        run = json.loads(server.requests[7]["body"])
         assert run["experiment_id"] == "e-1" and run["service_account"] == "rfsdp-pipeline"
         assert run["pipeline_version_reference"] == {"pipeline_id": "p-1", "pipeline_version_id": "v-1"}
         assert run["runtime_config"]["parameters"] == overrides
         assert run["display_name"].startswith("exp-7-")
-        assert ids == {"pipeline_id": "p-1", "version_id": "v-1", "experiment_id": "e-1", "run_id": "r-7"}
+        assert ids == {"pipeline_id": "p-1", "version_id": "v-1", "experiment_id": "e-1", "run_id": "r-8"}
 
         # Second submit: the pipeline exists, so a new version is uploaded and run; the experiment is reused.
         seen = len(server.requests)
-        ids = submit(server.url, {"steps": 120}, kfp_experiment="fsdp-runs")
+        ids = submit(server.url, {"steps": 120, "tracking_uri": MLFLOW}, kfp_experiment="fsdp-runs")
         assert server.calls(seen) == [
+            ("GET", "/apis/v2beta1/healthz"),
             ("GET", "/apis/v2beta1/healthz"),
             ("GET", "/apis/v2beta1/pipelines"),
             ("POST", "/apis/v2beta1/pipelines/upload_version"),
@@ -235,7 +333,8 @@ def test_submit_uploads_then_versions_and_starts_runs(tmp_path: Path) -> None:
         ]
         run = json.loads(server.requests[-1]["body"])
         assert run["pipeline_version_reference"] == {"pipeline_id": "p-1", "pipeline_version_id": "v-2"}
-        assert run["runtime_config"]["parameters"] == {"steps": 120}
+        assert run["runtime_config"]["parameters"] == {"steps": 120, "tracking_uri": MLFLOW}
+        assert run["display_name"].startswith("rfsdp-")  # the training run's own name is derived inside the run
         assert ids["version_id"] == "v-2"
     finally:
         server.httpd.shutdown()
@@ -243,21 +342,72 @@ def test_submit_uploads_then_versions_and_starts_runs(tmp_path: Path) -> None:
 
 
 def test_submit_refuses_bad_parameters_before_contacting_the_server() -> None:
-    with pytest.raises(ParameterError, match="^nnodes: must be at least 1"):  # named as the pipeline parameter
-        submit("http://127.0.0.1:9", {"nnodes": 0})  # port 9 (discard): any request would fail differently
+    server = RecordingKfpServer()
+    try:
+        with pytest.raises(ParameterError, match="^nnodes: must be at least 1"):  # named as the pipeline parameter
+            submit(server.url, {"nnodes": 0, "tracking_uri": MLFLOW})
+        # A cluster run must say where MLflow is: the submitter cannot see the cluster's secret.
+        with pytest.raises(ParameterError, match="^tracking_uri: a kubernetes run needs an MLflow tracking server"):
+            submit(server.url, {"training_run": "exp-8"})
+        with pytest.raises(ParameterError, match="^tracking_uri: 'sqlite:///tmp/m.db' is a file in the logging step's pod"):
+            submit(server.url, {"tracking_uri": "sqlite:///tmp/m.db"})
+        assert server.requests == []
+    finally:
+        server.httpd.shutdown()
+        server.httpd.server_close()
+
+
+class NotKfp(BaseHTTPRequestHandler):
+    """Some other web server: a page for every path."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802
+        body = b"<html>dashboard</html>"
+        self.send_response(200 if self.path == "/" else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.mark.contract
+@pytest.mark.parametrize("kind", ["unreachable", "not-kfp"])
+def test_submit_to_a_host_that_is_not_kfp_is_one_line(tmp_path: Path, kind: str) -> None:
+    if kind == "unreachable":
+        host, expected = "http://127.0.0.1:9", "--host: cannot reach http://127.0.0.1:9"  # port 9 (discard): nothing listens
+    else:
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), NotKfp)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        host = f"http://127.0.0.1:{httpd.server_address[1]}"
+        expected = f"--host: {host} is not a Kubeflow Pipelines API: GET {host}/apis/v2beta1/healthz answered HTTP 404"
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.cli", "pipeline", "submit", "--host", host, "--set", f"tracking_uri={MLFLOW}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"rfsdp pipeline: error: {expected}")
+    assert list(tmp_path.iterdir()) == [], "nothing is compiled or written"
 
 
 # --------------------------------------------------------------------- end to end
 @pytest.mark.slow
-def test_train_step_two_replicas_one_rendezvous(data_dir: Path, tmp_path: Path) -> None:
+def test_train_step_two_replicas_one_rendezvous(data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The train component's local backend on 2 replicas x 1 process: two ft_launchers meet in one
     c10d rendezvous through the PET_* contract, and an exception on rank 1 is recovered in-process.
+    The run dir lives on the (local stand-in for the) shared volume under the run's name.
     """
+    monkeypatch.setenv(WORKSPACE_ENV, str(tmp_path / "workspace"))
     params = {k: v for k, v in parameter_defaults().items() if k in train.component_spec.inputs}
-    params.update(steps=10, ckpt_every=5, nnodes=2, nproc_per_node=1, fault="exception@4:1")
+    params.update(steps=10, ckpt_every=5, nnodes=2, nproc_per_node=1, fault="exception@4:1", backend="local")
+    params.update(training_run="two-replicas", pipeline_job_id="kfp-1")
     run = Artifact(uri=str(tmp_path / "run"))
     train.python_func(data=Dataset(uri=str(data_dir)), run=run, **params)
-    run_dir = tmp_path / "run"
+    run_dir = tmp_path / "workspace" / "two-replicas" / "run"
     joined = [
         re.findall(
             r"joined round \d+ of the rendezvous '\S+' as rank (\d) in a world of size 2",
@@ -266,15 +416,35 @@ def test_train_step_two_replicas_one_rendezvous(data_dir: Path, tmp_path: Path) 
         for i in (0, 1)
     ]
     assert sorted(j[0] for j in joined) == ["0", "1"], joined
-    assert run.metadata["world_size"] == 2 and run.metadata["final_step"] == 10
-    assert run.metadata["restarts_in_process"] == 1 and run.metadata["restarts_in_job"] == 0
-    assert run.metadata["latest_checkpoint"] == "step_000010"
+    assert [r.layer for r in select(read_events(run_dir), Restart)] == ["in_process"]
+    assert (tmp_path / "run" / "events.jsonl").read_bytes() == (run_dir / "events.jsonl").read_bytes()  # the artifact is a copy
+    assert run.metadata["world_size"] == 2 and run.metadata["latest_checkpoint"] == "step_000010"
+    assert run.metadata["run_dir"] == str(run_dir)
+
+
+def _run_local(root: Path, *settings: str) -> subprocess.CompletedProcess:
+    """`rfsdp pipeline run-local` in a subprocess (its own kfp.local and environment)."""
+    root.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.cli", "pipeline", "run-local", "--root", str(root), *sum((["--set", s] for s in settings), [])],
+        cwd=root.parent,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+def _exit_output(root: Path, name: str) -> Path:
+    """An output file of the exit handler task of the one pipeline run under ``root``."""
+    (found,) = (root / "pipeline_root").glob(f"*/{EXIT}/{name}")
+    return found
 
 
 @pytest.mark.slow
 def test_run_local_whole_pipeline_with_a_fault(tmp_path: Path) -> None:
     """`rfsdp pipeline run-local` through kfp.local: an exception on rank 1 recovered in-process, a
-    checkpoint the validation step finds valid, an MLflow run that counts the restart.
+    checkpoint the validation step finds valid, an MLflow run that counts the restart, and the
+    headline figures and report the Kubeflow UI would show.
 
     Runs on 2 replicas x 1 process (multi-node rendezvous); the validator replays on 1 x 2, which
     must give the same bits (one intra-op thread per rank, whatever the topology).
@@ -282,38 +452,126 @@ def test_run_local_whole_pipeline_with_a_fault(tmp_path: Path) -> None:
     import mlflow
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    root = tmp_path / "root"
     settings = ["steps=12", "ckpt_every=4", "nnodes=2", "nproc_per_node=1", "fault=exception@6:1", f"tracking_uri={uri}", "experiment=e2e"]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "trainer.cli",
-            "pipeline",
-            "run-local",
-            "--root",
-            str(tmp_path / "root"),
-            *sum((["--set", s] for s in settings), []),
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    proc = _run_local(root, *settings)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     run_id = re.search(r"MLflow run id:\s*([0-9a-f]{32})", proc.stdout)[1]
-    (run_dir,) = (tmp_path / "root" / "pipeline_root").glob("*/train/run")
+    (run_dir,) = (root / "workspace").glob("rfsdp-*/run")
     assert [e.layer for e in select(read_events(run_dir), Restart)] == ["in_process"]
     assert (run_dir / "checkpoints" / "step_000012" / "manifest.json").is_file()
 
-    (executor_output,) = (tmp_path / "root" / "pipeline_root").glob("*/validate-checkpoint/executor_output.json")
-    validation = json.loads(executor_output.read_text())
-    assert validation["parameterValues"]["Output"]["valid"] is True
-    (report,) = (tmp_path / "root" / "pipeline_root").glob("*/validate-checkpoint/report")
-    assert "**valid**" in report.read_text()
+    executor_output = json.loads(_exit_output(root, "executor_output.json").read_text())
+    metrics = executor_output["artifacts"]["metrics"]["artifacts"][0]["metadata"]
+    assert set(metrics) == HEADLINE
+    assert metrics["restarts in-process"] == 1 and metrics["restarts in-job"] == 0 and metrics[VERDICT] == 1
+    assert 0 < metrics["goodput (%)"] < 100 and metrics["goodput (%)"] == round(metrics["goodput (%)"], 1)
+    report = _exit_output(root, "report").read_text()
+    url = executor_output["parameterValues"]["mlflow_url"]
+    assert url.endswith(f"/runs/{run_id}") and f"]({url})" in report
+    assert "**valid**" in report and "| replays | pass |" in report and "| goodput (%) |" in report
+    assert max(len(line) for line in (proc.stdout + proc.stderr).splitlines()) < 1000, "nothing is printed whole"
 
     client = mlflow.MlflowClient(tracking_uri=uri)
     logged = client.get_run(run_id)
+    assert logged.info.status == "FINISHED" and FAILED_STEP_TAG not in logged.data.tags
     assert logged.data.metrics["restarts_in_process"] == 1
     assert logged.data.metrics["final_step"] == 12
-    assert logged.data.tags["backend"] == "local" and logged.data.tags["run_name"] == "rfsdp-run"
+    assert logged.data.tags["backend"] == "local" and logged.data.tags["training_run"] == run_dir.parent.name
+    assert logged.data.tags["rfsdp.valid"] == "true"
     assert client.get_experiment(logged.info.experiment_id).name == "e2e"
+
+
+@pytest.mark.slow
+def test_a_failed_run_is_logged_failed_and_the_same_name_resumes_it(tmp_path: Path) -> None:
+    """Restarts exhausted (a SIGKILL with max_restarts=0): the pipeline fails and the exit handler
+    leaves a FAILED MLflow run naming the step and the reason, with the events so far. The same
+    explicit training_run again resumes that run (the fault fired once) into the same MLflow run.
+    """
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    root = tmp_path / "root"
+    # Sync checkpoints: step 3's is durable before the SIGKILL at step 5 (an async first save may not be).
+    settings = ["steps=8", "ckpt_every=3", "ckpt_mode=sync", "max_restarts=0", "fault=sigkill@5:0", "training_run=resume-me"]
+    settings.append(f"tracking_uri={uri}")
+    failed = _run_local(root, *settings)
+    assert failed.returncode == 1, failed.stdout[-4000:] + failed.stderr[-4000:]
+    assert "Inner task failed" in failed.stderr and "'train'" in failed.stderr
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("resilient-fsdp").experiment_id])
+    assert run.info.status == "FAILED" and run.info.run_name == "resume-me"
+    assert run.data.tags[FAILED_STEP_TAG] == TRAIN_STEP
+    assert "the local job exited with code" in run.data.tags[FAILURE_REASON_TAG]
+    assert run.data.metrics["faults"] == 1 and run.data.metrics["final_step"] < 8  # the events it reached are logged
+
+    resumed = _run_local(root, *settings)
+    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
+    events = read_events(root / "workspace" / "resume-me" / "run")
+    assert [s.resumed_from_step for s in select(events, RunStart)] == [0, 3]
+    (again,) = client.search_runs([run.info.experiment_id])
+    assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
+    assert FAILED_STEP_TAG not in again.data.tags and again.data.metrics["final_step"] == 8
+
+
+@pytest.mark.slow
+def test_two_runs_with_the_defaults_do_not_touch_each_other(tmp_path: Path) -> None:
+    """run_local passes the local overrides itself; each run gets a name of its own, so its run
+    dir, its checkpoints and its MLflow run are its own."""
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    # 8 steps: enough for the validation's quality check (eval loss 0.5 below initialization).
+    results = [run_local({"steps": 8, "ckpt_every": 4, "nproc_per_node": 1, "tracking_uri": uri}, tmp_path / "root") for _ in range(2)]
+    first, second = results
+    assert first["training_run"] != second["training_run"]
+    assert first["mlflow_run_id"] != second["mlflow_run_id"]
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    for result in results:
+        starts = select(read_events(Path(result["run_dir"])), RunStart)
+        assert [s.resumed_from_step for s in starts] == [0], "a fresh run, never a resume of the other"
+        assert Path(result["run_dir"]).parent.name == result["training_run"]
+        assert client.get_run(result["mlflow_run_id"]).data.tags["training_run"] == result["training_run"]
+    assert sorted(p.name for p in (tmp_path / "root" / "workspace").iterdir()) == sorted(r["training_run"] for r in results)
+
+
+def test_a_ui_run_without_a_tracking_uri_is_refused_by_the_first_step_and_logged_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run started from the UI with the defaults: the check step refuses a kubernetes run that has
+    no tracking URI (nothing started); with the MLflow secret's key it passes and names the run.
+    A refusal of another parameter is logged by the exit handler as a FAILED run of its own."""
+    import mlflow
+
+    from components.check_run import check_run
+    from components.runs import CHECK_STEP, log_pipeline_run
+
+    monkeypatch.setenv(WORKSPACE_ENV, str(tmp_path / "workspace"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    params = {**parameter_defaults(), "pipeline_job": "resilient-fsdp-training-x7k2p", "pipeline_job_id": "kfp-1"}
+    with pytest.raises(ParameterError, match="^tracking_uri: a kubernetes run needs an MLflow tracking server"):
+        check_run.python_func(**params)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.team-a:5000")  # the rfsdp-mlflow secret's key
+    name = check_run.python_func(**params)
+    assert name == resolve_run_name("", params["pipeline_job"], "kfp-1")
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with pytest.raises(ParameterError, match="^fault: exception@5:0 and sigkill@5:1 are both at step 5"):
+        check_run.python_func(**{**params, "fault": "exception@5:0,sigkill@5:1", "tracking_uri": uri})
+    logged = log_pipeline_run(
+        state="FAILED",
+        error_message="Task exit-handler-1 failed.",
+        training_run="",
+        backend="kubernetes",
+        tracking_uri=uri,
+        experiment="ui",
+        pipeline_job=params["pipeline_job"],
+        pipeline_job_id="kfp-1",
+    )
+    run = mlflow.MlflowClient(tracking_uri=uri).get_run(logged.mlflow_run_id)
+    assert run.info.status == "FAILED" and run.data.tags[FAILED_STEP_TAG] == CHECK_STEP
+    assert (
+        run.data.tags[FAILURE_REASON_TAG] == "ParameterError: fault: exception@5:0 and sigkill@5:1 are both at step 5: one fault per step"
+    )
+    assert logged.headline == {} and CHECK_STEP in logged.markdown and f"]({logged.mlflow_url})" in logged.markdown
+    assert not (tmp_path / "workspace" / name / "run").exists(), "nothing was started"

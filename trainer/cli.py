@@ -150,9 +150,9 @@ def _pipeline(args: argparse.Namespace) -> int:
         try:
             result = pl.run_local(overrides, Path(args.root))
         except RuntimeError as e:  # a step failed: kfp.local names it, the step's output is above
-            print(f"rfsdp pipeline run-local: a step failed: {e}", file=sys.stderr)
+            print(f"rfsdp pipeline run-local: a step failed: {e} (log-to-mlflow, above, records the failure)", file=sys.stderr)
             return 1
-        pl.print_local_result(result, overrides)
+        pl.print_local_result(result)
     else:
         ids = pl.submit(
             args.host,
@@ -223,9 +223,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pipeline", help="the Kubeflow pipeline: compile, run locally (kfp.local), submit, show the PyTorchJob")
     actions = p.add_subparsers(dest="action", required=True)
     a = actions.add_parser("compile", help="compile the pipeline to KFP IR YAML")
-    a.add_argument("--out", default="work/resilient_fsdp_training.yaml", help="output file")
-    settable = "pipeline parameter NAME=VALUE (repeatable; names as in the train flags, snake_case: steps, nnodes, fault, backend, ...)"
-    a = actions.add_parser("run-local", help="run the whole pipeline locally with kfp.local (SubprocessRunner, this venv)")
+    a.add_argument("--out", default="resilient_fsdp_training.yaml", help="output file (its folder must exist)")
+    settable = (
+        "pipeline parameter NAME=VALUE (repeatable; names as in the train flags, snake_case: steps, nnodes, fault, backend, "
+        "training_run, tracking_uri, ...)"
+    )
+    a = actions.add_parser(
+        "run-local", help="run the whole pipeline locally with kfp.local (SubprocessRunner, this venv; backend=local, local MLflow)"
+    )
     a.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help=settable)
     a.add_argument("--root", default="work/pipeline", help="local working directory (pipeline root with every artifact)")
     a = actions.add_parser("submit", help="upload the pipeline to a KFP server and start a run (token from KFP_TOKEN)")

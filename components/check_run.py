@@ -1,0 +1,55 @@
+from kfp import dsl
+
+from components import IMAGE
+
+
+@dsl.component(base_image=IMAGE, install_kfp_package=False)
+def check_run(
+    steps: int,
+    ckpt_every: int,
+    ckpt_mode: str,
+    nnodes: int,
+    nproc_per_node: int,
+    max_restarts: int,
+    inprocess_restart: bool,
+    fault: str,
+    model: str,
+    seed: int,
+    hang_timeout: float,
+    backend: str,
+    training_run: str,
+    image: str,
+    job_namespace: str,
+    gpus: bool,
+    cpu: str,
+    memory: str,
+    source: str,
+    pvc_name: str,
+    checkpoint_uri: str,
+    tracking_uri: str,
+    experiment: str,
+    pipeline_job: str,
+    pipeline_job_id: str,
+) -> str:
+    """Refuse a run that cannot work before anything starts, and name the training run.
+
+    Runs started from the Kubeflow UI never pass the CLI's checks: this step makes them. The
+    tracking URI may come from the ``MLFLOW_TRACKING_URI`` key of the MLflow secret (an env
+    variable of this pod). Each parameter is described on the pipeline.
+
+    Returns:
+        The training run's name: ``training_run``, or one derived from this KFP run.
+    """
+    params = dict(locals())  # the parameters, taken before anything else is defined here
+    import os
+
+    from components.runs import CHECK_STEP, check_parameters, recorded
+    from trainer.launch import WORKSPACE_ENV
+    from trainer.launch.spec import resolve_run_name
+
+    name = resolve_run_name(training_run, pipeline_job, pipeline_job_id)  # a bad name: nowhere to record
+    with recorded(name, pipeline_job_id, CHECK_STEP):
+        env = os.environ
+        check_parameters(params, name, tracking_uri_env=env.get("MLFLOW_TRACKING_URI", ""), steps_run_here=WORKSPACE_ENV in env)
+    print(f"training run {name}: parameters checked")
+    return name

@@ -1,0 +1,224 @@
+"""What the pipeline's steps share (a helper module, not a component).
+
+- The checks every run passes before anything starts, for the CLI (before compiling, submitting
+  or running) and for the first step (which covers runs started from the Kubeflow UI).
+- The run's record on the shared volume, ``WORKSPACE/<training run>/``: beside the data and the
+  run dir, the step that failed and why, and the validation verdict, each tagged with the KFP run
+  that wrote it. The exit handler cannot take the other steps' outputs (KFP runs it whatever
+  happened), so it finds the run by its name and logs it to MLflow, failed runs included.
+
+Imports stay light here: compiling the pipeline must not load torch or the Kubernetes client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from trainer.launch import workspace
+
+FAILURE_FILE = "failure.json"
+VALIDATION_FILE = "validation.json"
+CHECK_STEP, PREPARE_STEP, TRAIN_STEP, VALIDATE_STEP = "check parameters", "prepare data", "train", "validate checkpoint"
+BEFORE_TRAINING = (CHECK_STEP, PREPARE_STEP)
+"""Steps whose failure leaves a run dir of the same name (an earlier run's) as it was."""
+PREVIEW_RUN = "rfsdp-preview"
+"""Stands in for the run-unique name outside a KFP run (checks, ``rfsdp pipeline manifest``)."""
+
+
+def cluster_params(params: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """The pipeline's parameters under the keys ``trainer.launch.k8s.cluster_options`` reads."""
+    return {**params, "run_name": name, "namespace": params["job_namespace"]}
+
+
+def check_parameters(params: Mapping[str, Any], name: str, *, tracking_uri_env: str, steps_run_here: bool) -> None:
+    """Refuse a run that cannot work, before anything starts.
+
+    Args:
+        params: every pipeline parameter.
+        name: the training run's name (``trainer.launch.spec.resolve_run_name``).
+        tracking_uri_env: the ``MLFLOW_TRACKING_URI`` the logging step will see ("" none: a
+            submitter cannot see the cluster's secret).
+        steps_run_here: the steps run on this machine (``kfp.local``), so a local MLflow store
+            outlives them; in a cluster it would be a file in a pod.
+
+    Raises:
+        ParameterError: naming the pipeline parameter.
+    """
+    from trainer.errors import ParameterError, as_pipeline_parameters
+    from trainer.faults import parse_fault_spec
+    from trainer.launch import WORKSPACE_MOUNT
+    from trainer.launch.k8s import build_pytorchjob, cluster_options, shared_paths
+    from trainer.launch.local import BACKENDS, job_from_parameters
+    from trainer.launch.spec import check_run_name
+    from trainer.results.tracking import check_tracking_uri, is_local_store
+
+    def refuse(param: str, problem: str) -> ParameterError:
+        return ParameterError(param, problem, style="parameter")
+
+    if params["backend"] not in BACKENDS:
+        raise refuse("backend", f"{params['backend']!r} is not one of {', '.join(BACKENDS)}")
+    if not params["experiment"].strip():
+        raise refuse("experiment", "must not be empty")
+    if params["checkpoint_uri"] and not params["checkpoint_uri"].startswith("s3://"):
+        raise refuse("checkpoint_uri", f"{params['checkpoint_uri']!r} is not s3://bucket/prefix (the pipeline mirrors to object storage)")
+    with as_pipeline_parameters():
+        check_run_name(name)
+        data, run_dir = shared_paths(name)
+        cfg, spec = job_from_parameters(params, data=data, run_dir=run_dir)
+        steps: dict[int, str] = {}
+        for fault in parse_fault_spec(cfg.fault, steps=cfg.steps, world_size=spec.world_size, nnodes=spec.nnodes):
+            if fault.step in steps:  # which fault a recovery answers would be a race
+                raise refuse("fault", f"{steps[fault.step]} and {fault.key} are both at step {fault.step}: one fault per step")
+            steps[fault.step] = fault.key
+        if params["tracking_uri"]:
+            check_tracking_uri(params["tracking_uri"])
+        uri = params["tracking_uri"] or tracking_uri_env
+        if params["backend"] == "kubernetes":
+            if not uri:
+                raise refuse(
+                    "tracking_uri",
+                    "a kubernetes run needs an MLflow tracking server the cluster reaches: set tracking_uri, or the "
+                    "MLFLOW_TRACKING_URI key of the rfsdp-mlflow secret (read by runs started in the Kubeflow UI)",
+                )
+            if (
+                not steps_run_here
+                and is_local_store(uri)
+                and not uri.removeprefix("sqlite:///").removeprefix("file://").startswith(WORKSPACE_MOUNT + "/")
+            ):
+                raise refuse("tracking_uri", f"{uri!r} is a file in the logging step's pod, lost with it: use a tracking server")
+        build_pytorchjob(cfg, spec, cluster_options(cluster_params(params, name)))  # image, resources: checked on every backend
+
+
+# ------------------------------------------------------------------ the run's record
+def run_root(name: str) -> Path:
+    """The training run's folder on the shared volume (data, run dir and record)."""
+    return workspace() / name
+
+
+@contextlib.contextmanager
+def recorded(name: str, kfp_run: str, step: str) -> Iterator[None]:
+    """Inside, an exception (or a cancellation) is recorded as this step's failure, then raised."""
+    try:
+        yield
+    except BaseException as e:
+        reason = "cancelled" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
+        _write(name, FAILURE_FILE, {"kfp_run": kfp_run, "step": step, "reason": reason})
+        raise
+
+
+def record_validation(name: str, kfp_run: str, report: dict, markdown: str) -> None:
+    """Keep the validation verdict (as JSON and as its Markdown table) for the exit handler."""
+    _write(name, VALIDATION_FILE, {"kfp_run": kfp_run, "report": report, "markdown": markdown})
+
+
+def read_record(name: str, kfp_run: str) -> tuple[dict | None, dict | None]:
+    """The failure and the validation that ``kfp_run`` recorded (None where it recorded none)."""
+    found = []
+    for file in (FAILURE_FILE, VALIDATION_FILE):
+        path = run_root(name) / file
+        record = json.loads(path.read_text()) if path.is_file() else None
+        found.append(record if record and record["kfp_run"] == kfp_run else None)  # an earlier KFP run's: not this one's
+    return found[0], found[1]
+
+
+def _write(name: str, file: str, record: dict) -> None:
+    from trainer.fsutil import atomic_write_text
+
+    root = run_root(name)
+    root.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(root / file, json.dumps(record, indent=1))
+
+
+class PipelineRunLog(NamedTuple):
+    """What the exit handler logged and shows."""
+
+    training_run: str
+    mlflow_run_id: str
+    mlflow_url: str
+    headline: dict[str, float]
+    markdown: str
+
+
+def log_pipeline_run(
+    *,
+    state: str,
+    error_message: str,
+    training_run: str,
+    backend: str,
+    tracking_uri: str,
+    experiment: str,
+    pipeline_job: str,
+    pipeline_job_id: str,
+) -> PipelineRunLog:
+    """Log a pipeline run to MLflow however it ended (the exit handler's work).
+
+    A run whose training started is logged from its run dir (events, checkpoints, validation),
+    FAILED with the failing step and reason when the pipeline failed. A run that failed before
+    (or whose name was refused) becomes a FAILED MLflow run of its own, so an earlier run under
+    the same name is left as it was.
+
+    Args:
+        state: the pipeline's final state (``PipelineTaskFinalStatus.state``).
+        error_message: KFP's error message (used when no step recorded its failure).
+        training_run: the pipeline parameter ("" = derived from the KFP run).
+        backend: ``local`` or ``kubernetes``.
+        tracking_uri: the pipeline parameter ("" = ``MLFLOW_TRACKING_URI``).
+        experiment: MLflow experiment.
+        pipeline_job: the KFP run's job name.
+        pipeline_job_id: the KFP run's id.
+
+    Returns:
+        The training run's name, the MLflow run's id and URL, the headline figures, and the run's
+        Markdown report.
+
+    Raises:
+        ParameterError: a kubernetes run with no tracking URI (nothing is logged to a pod-local file).
+        TrackingError: the tracking store failed.
+    """
+    import os
+
+    from trainer.errors import ParameterError
+    from trainer.events import EVENTS_FILE, read_events
+    from trainer.launch.spec import resolve_run_name
+    from trainer.results.summary import headline_metrics, run_report
+    from trainer.results.tracking import Failure, log_failed_attempt, log_run, resolve_tracking_uri, run_url
+
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+    if not uri and backend == "kubernetes":
+        raise ParameterError(
+            "tracking_uri", "no MLflow tracking URI (parameter or the rfsdp-mlflow secret): the run is not logged", style="parameter"
+        )
+    uri = resolve_tracking_uri(uri or None)
+    try:
+        name = resolve_run_name(training_run, pipeline_job, pipeline_job_id)
+        failure, validation = read_record(name, pipeline_job_id)
+    except ParameterError:  # refused by the check step; nothing can have been recorded under it
+        name, failure, validation = training_run, None, None
+    if failure is None and state != "SUCCEEDED":  # a step that could not record (killed, or its pod never ran)
+        failure = {"step": "unknown", "reason": error_message or f"the pipeline run ended {state}"}
+    failed = Failure(failure["step"], failure["reason"]) if failure else None
+    tags = {"training_run": name, "backend": backend, "kfp_pipeline_job": pipeline_job, "kfp_run_id": pipeline_job_id}
+    run_dir = run_root(name) / "run"
+    started = (run_dir / EVENTS_FILE).is_file() and not (failed and failed.step in BEFORE_TRAINING)
+    events = read_events(run_dir) if started else []
+    if started:
+        report = validation["report"] if validation else None
+        run_id = log_run(run_dir, tracking_uri=uri, experiment=experiment, tags=tags, validation=report, failure=failed, run_name=name)
+    else:
+        run_id = log_failed_attempt(pipeline_job_id, failed, tracking_uri=uri, experiment=experiment, tags=tags, run_name=name)
+    url = run_url(uri, run_id)
+    headline = headline_metrics(events, validation["report"]["valid"] if validation else None)
+    markdown = run_report(
+        name,
+        status=state,
+        headline=headline,
+        mlflow_url=url,
+        failed_step=failed.step if failed else "",
+        reason=failed.reason if failed else "",
+        validation=validation["markdown"] if validation else "",
+    )
+    return PipelineRunLog(name, run_id, url, headline, markdown)
