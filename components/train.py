@@ -67,6 +67,7 @@ def train(
         pipeline_job_id: the KFP run (tags the failure record).
     """
     params = dict(locals())  # the parameters, taken before anything else is defined here
+    import dataclasses
     import shutil
     import signal
     from pathlib import Path
@@ -95,12 +96,15 @@ def train(
         else:
             from trainer.launch.k8s import build_pytorchjob, cluster_options, run_pytorchjob, shared_paths
 
+            # The workers see the volume at WORKSPACE_MOUNT; this step sees the same folders at run_root
+            # (the same path in a pod; a local folder where the volume is emulated).
             shared_data, shared_run = shared_paths(training_run)
-            cfg, spec = job_from_parameters(params, data=shared_data, run_dir=shared_run)
-            job = build_pytorchjob(cfg, spec, cluster_options(cluster_params(params, training_run)))
+            job_cfg, spec = job_from_parameters(params, data=shared_data, run_dir=shared_run)
+            job = build_pytorchjob(job_cfg, spec, cluster_options(cluster_params(params, training_run)))
+            cfg = dataclasses.replace(job_cfg, data=str(run_root(training_run) / "data"), run_dir=str(run_root(training_run) / "run"))
             check_run_dir(cfg)  # a rerun under the same training_run must be the same training config
-            with hold_run_dir(Path(shared_run)):  # a second run under this name is refused while this one lives
-                shutil.copytree(data.path, shared_data, dirs_exist_ok=True)
+            with hold_run_dir(Path(cfg.run_dir)):  # a second run under this name is refused while this one lives
+                shutil.copytree(data.path, cfg.data, dirs_exist_ok=True)
                 run_pytorchjob(job)
         shutil.copytree(cfg.run_dir, run.path, dirs_exist_ok=True)
 
