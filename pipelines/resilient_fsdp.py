@@ -397,7 +397,7 @@ def print_local_result(result: Mapping[str, Any]) -> None:
     table = Table(title=f"headline of {result['training_run']} (the pipeline's Metrics)")
     for column in ("figure", "value"):
         table.add_column(column)
-    for name, value in result["metrics"].items():
+    for name, value in sorted(result["metrics"].items()):  # kfp keeps no order
         table.add_row(name, f"{value:g}")
     Console().print(table)
     # Plain lines, not a table: paths must not be cut to the terminal's width.
