@@ -4,7 +4,7 @@ and shows its headline figures and report in the Kubeflow UI.
 
 Compile, run locally with ``kfp.local`` or upload and submit to a Kubeflow Pipelines server::
 
-    rfsdp pipeline compile --out work/resilient_fsdp_training.yaml
+    rfsdp pipeline compile --out resilient_fsdp_training.yaml
     rfsdp pipeline run-local --set fault=exception@15:1,sigkill@30:0
     rfsdp pipeline submit --host https://kfp.example.com --set tracking_uri=http://mlflow.ns:5000
     rfsdp pipeline manifest --set nnodes=2 --set gpus=true     # the PyTorchJob the train step would create
