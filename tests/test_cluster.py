@@ -398,10 +398,13 @@ def _log(core: k8s.CoreV1Api, pod: str) -> str:
 
 # ----------------------------------------------------------------------------- end to end
 @pytest.mark.slow
-def test_train_step_runs_the_real_pytorchjob_with_faults(cluster: Cluster, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_train_step_runs_the_real_pytorchjob_with_faults(
+    cluster: Cluster, data_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     """The train step's kubernetes path, through a kubeconfig: the PyTorchJob from the manifest
     code, 2 Worker pods running real ft_launchers on CPU, an exception on rank 1 (in-process
-    restart) and a SIGKILL of rank 0 (in-job restart), then a valid checkpoint.
+    restart) and a SIGKILL of rank 0 (in-job restart), progress in the step's log, then a valid
+    checkpoint.
     """
     overrides = {"training_run": "e2e", "job_namespace": "", "nnodes": 2, "nproc_per_node": 1, "steps": 20, "ckpt_every": 5}
     overrides |= {"fault": "exception@8:1,sigkill@15:0", "hang_timeout": 6, "tracking_uri": "http://mlflow.preview"}
@@ -433,5 +436,14 @@ def test_train_step_runs_the_real_pytorchjob_with_faults(cluster: Cluster, data_
     events = read_events(run)
     assert {(f.kind, f.step, f.rank) for f in events if isinstance(f, FaultFired)} == {("exception", 8, 1), ("sigkill", 15, 0)}
     assert {r.layer for r in events if isinstance(r, Restart)} >= {"in_process", "in_job"}
+    # Rank 0's progress lines reach the step's log through worker 0's followed log.
+    printed: list[str] = []
+
+    def streamed() -> bool:
+        printed.append(capsys.readouterr().out)
+        return "[Pod e2e-worker-0]: step 20/20" in "".join(printed)
+
+    wait_for(streamed, what="worker 0's last progress line in the step's log")
+    assert "(in_process): resumed from step" in "".join(printed) and "(in_job): resumed from step" in "".join(printed)
     report = validate_run(run, data=pvc / "e2e" / "data")  # the run recorded the path its pods saw
     assert report.valid, report

@@ -299,6 +299,11 @@ class Rbac:
         )
 
 
+def _flag(value: str | None) -> bool:
+    """A boolean query parameter as the server parses it (Go's ParseBool: the Python client sends ``True``)."""
+    return value in ("1", "t", "T", "true", "TRUE", "True")
+
+
 def _has(allowed: list[str], value: str) -> bool:
     return "*" in allowed or value in allowed
 
@@ -449,7 +454,7 @@ class ApiServer:
             if (group, resource) not in _SERVED or (sub and (group, resource, sub) not in _SUBRESOURCES):
                 raise ApiError(404, "NotFound", "the server could not find the requested resource")
             verb = {"POST": "create", "PUT": "update", "PATCH": "patch"}.get(method) or (
-                ("get" if name else "watch" if query.get("watch") in ("true", "1") else "list")
+                ("get" if name else "watch" if _flag(query.get("watch")) else "list")
                 if method == "GET"
                 else ("delete" if name else "deletecollection")
             )
@@ -487,8 +492,8 @@ class ApiServer:
 
     def _stream_log(self, h: BaseHTTPRequestHandler, ns: str, name: str, query: dict[str, str]) -> None:
         """A container's log: all of it, or (``follow``) as it grows until the container ends."""
-        log, running = self.handlers.log_source(ns, name, query.get("container", ""), previous=query.get("previous") == "true")
-        follow = query.get("follow") in ("true", "1")
+        log, running = self.handlers.log_source(ns, name, query.get("container", ""), previous=_flag(query.get("previous")))
+        follow = _flag(query.get("follow"))
         h.send_response(200)
         h.send_header("Content-Type", "text/plain")
         if not follow:
