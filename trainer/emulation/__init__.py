@@ -1,1 +1,4 @@
-"""Test and demo tooling: several hosts emulated on one machine (network namespaces) for node faults."""
+"""Test and demo tooling on one machine: several hosts emulated with network namespaces for node
+faults (``netns``), and a Kubernetes cluster with the training operator for the train step's
+kubernetes path (``cluster``; docs/emulation.md).
+"""
