@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import os
 import queue
+import time
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +45,8 @@ def cfg(**kw) -> TrainConfig:
         ({"fault": "exception@10/write", "ckpt_mode": "sync"}, "step 10 has no async save"),
         ({"fault": "node-loss@10/write:1"}, "--fault"),
         ({"grace_period": 1.0}, "--grace-period: must be at least 5 s"),
+        ({"fault": "exception@10:1,sigkill@10:0"}, "--fault: exception@10:1 and sigkill@10:0 are both at step 10: one fault per step"),
+        ({"log_every": -1}, "--log-every: must be at least 0"),
     ],
 )
 def test_bad_config_names_the_parameter(kw: dict, names: str) -> None:
@@ -276,3 +280,18 @@ def test_errors_no_restart_can_fix_are_found_in_the_chain(tmp_path: Path) -> Non
     assert isinstance(non_transient_cause(DataError("shard train_000.bin fails its checksum")), DataError)
     assert non_transient_cause(OSError(errno.ECONNRESET, "peer gone")) is None  # a restart helps there
     assert non_transient_cause(CheckpointWriteError("background write failed: on another rank")) is None
+
+
+def test_a_fatal_error_latches_only_the_launcher_that_saw_it() -> None:
+    """Restarted ranks end at once after a fatal error of their job written since their launcher
+    started; an older one (a job before a fix, with the same rendezvous id) does not hold them."""
+    from trainer.events import Fatal, fatal_error
+    from trainer.process import process_start_time
+
+    launcher_started = process_start_time(os.getppid())
+    assert launcher_started <= process_start_time() <= time.time()
+    old = Fatal(time=launcher_started - 60, error="OSError: [Errno 28] No space left on device", job="none")
+    new = dataclasses.replace(old, time=launcher_started + 1, error="DataError: shard fails its checksum")
+    assert fatal_error([old], "none", since=launcher_started) is None
+    assert fatal_error([old, new], "none", since=launcher_started) == new
+    assert fatal_error([old, new], "another-job", since=launcher_started) is None

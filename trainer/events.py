@@ -373,9 +373,10 @@ def session_finished(events: list[Event]) -> bool:
     return end is not None and end.status in ("completed", "stopped", "preempted")
 
 
-def fatal_error(events: Iterable[Event], job: str | None = None) -> Fatal | None:
-    """The first ``fatal`` event (of ``job``, when given), or None."""
-    return next((e for e in events if isinstance(e, Fatal) and job in (None, e.job)), None)
+def fatal_error(events: Iterable[Event], job: str | None = None, *, since: float = 0.0) -> Fatal | None:
+    """The latest ``fatal`` event (of ``job``, when given; written at ``since`` or later), or None."""
+    found = [e for e in events if isinstance(e, Fatal) and job in (None, e.job) and e.time >= since]
+    return found[-1] if found else None
 
 
 def recovery_layer(prior: list[Event], *, in_process_iteration: int, in_job_restart: int) -> str | None:

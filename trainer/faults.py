@@ -92,6 +92,7 @@ def parse_fault_spec(spec: str, *, steps: int, world_size: int, nnodes: int | No
         ParameterError: naming ``fault`` and the offending item.
     """
     faults: list[Fault | NodeFault] = []
+    at_step: dict[int, str] = {}
     for item in filter(None, (s.strip() for s in spec.split(","))):
         m = _SPEC.match(item)
         if not m:
@@ -101,6 +102,9 @@ def parse_fault_spec(spec: str, *, steps: int, world_size: int, nnodes: int | No
             raise ParameterError("fault", f"unknown kind {kind!r} in {item!r} (known: {', '.join(FAULT_KINDS)})")
         if not 1 <= step <= steps:
             raise ParameterError("fault", f"step {step} in {item!r} is outside the run (1..{steps})")
+        if step in at_step:  # which fault a recovery answers would be a race
+            raise ParameterError("fault", f"{at_step[step]} and {item} are both at step {step}: one fault per step")
+        at_step[step] = item
         if phase and (kind not in RANK_KINDS or phase not in SAVE_PHASES):
             raise ParameterError("fault", f"{item!r}: /PHASE is one of {', '.join(SAVE_PHASES)}, for {', '.join(RANK_KINDS)}")
         if kind in RANK_KINDS:

@@ -18,8 +18,8 @@ def die_with_parent(sig: signal.Signals = signal.SIGTERM) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
 
 
-def process_start_time() -> float:
-    """When this process started, in unix seconds (Linux; about 10 ms resolution)."""
-    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+def process_start_time(pid: int | None = None) -> float:
+    """When process ``pid`` (default: this one) started, in unix seconds (Linux; about 10 ms resolution)."""
+    ticks = int(Path(f"/proc/{pid or 'self'}/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
     uptime = float(Path("/proc/uptime").read_text().split()[0])  # both count from boot
     return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))

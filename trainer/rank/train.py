@@ -248,9 +248,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_arguments(parser)
     cfg = TrainConfig.from_mapping(vars(parser.parse_args(argv)))
-    # ft_launcher restarts failed ranks whatever the cause: after a fatal error in this job, its
-    # restarts end at once (a new job, once the cause is fixed, starts normally).
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) and (fatal := fatal_error(read_events(Path(cfg.run_dir)), _job_id())):
+    # ft_launcher restarts failed ranks whatever the cause: after a fatal error met since this
+    # launcher started, its restarts end at once. (The job id alone is not enough: on Kubernetes it
+    # is "none" unless elasticPolicy.rdzvId is set. A new job, once the cause is fixed, starts normally.)
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if restarted and (fatal := fatal_error(read_events(Path(cfg.run_dir)), _job_id(), since=process_start_time(os.getppid()))):
         print(f"rank {os.environ.get('RANK')}: not restarting, the job met an error no restart can fix: {fatal.error}", file=sys.stderr)
         sys.exit(FATAL_EXIT_CODE)
     cuda = torch.cuda.is_available()
