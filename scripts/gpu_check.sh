@@ -23,16 +23,16 @@ $RFSDP train "${common[@]}" --run-dir "$OUT/faults" --fault exception@15:0,sigki
 $PY - "$OUT" <<'PY'
 import json, statistics, sys
 from pathlib import Path
-from trainer.events import final_losses, read_events
+from trainer.events import Checkpoint, Restart, Step, final_losses, read_events, select
 out = Path(sys.argv[1])
 ev = {name: read_events(out / name) for name in ("baseline", "sync", "faults")}
-stall = {n: statistics.median(e["blocking_s"] for e in ev[n] if e["event"] == "checkpoint") for n in ("baseline", "sync")}
-restarts = [(e["layer"], round(e["recovery_s"], 2)) for e in ev["faults"] if e["event"] == "restart"]
+stall = {n: statistics.median(e.blocking_s for e in select(ev[n], Checkpoint)) for n in ("baseline", "sync")}
+restarts = [(e.layer, round(e.recovery_s, 2), {k: round(v, 2) for k, v in (e.phases or {}).items()}) for e in select(ev["faults"], Restart)]
 same = final_losses(ev["faults"]) == final_losses(ev["baseline"])
-steps = [e["step_time_s"] for e in ev["baseline"] if e["event"] == "step"]
+steps = [e.step_time_s for e in select(ev["baseline"], Step)]
 report = {"async_median_blocking_s": stall["baseline"], "sync_median_blocking_s": stall["sync"],
           "stall_ratio": stall["baseline"] / stall["sync"], "restarts": restarts,
           "trajectory_identical_after_faults": same, "median_step_s": statistics.median(steps)}
 print(json.dumps(report))
-assert [layer for layer, _ in restarts] == ["in_process", "in_job"], restarts
+assert [layer for layer, _, _ in restarts] == ["in_process", "in_job"], restarts
 PY
