@@ -16,6 +16,7 @@ def check_run(
     model: str,
     seed: int,
     hang_timeout: float,
+    grace_period: float,
     backend: str,
     training_run: str,
     image: str,

@@ -29,11 +29,6 @@ PREVIEW_RUN = "rfsdp-preview"
 """Stands in for the run-unique name outside a KFP run (checks, ``rfsdp pipeline manifest``)."""
 
 
-def cluster_params(params: Mapping[str, Any], name: str) -> dict[str, Any]:
-    """The pipeline's parameters under the keys ``trainer.launch.k8s.cluster_options`` reads."""
-    return {**params, "run_name": name, "namespace": params["job_namespace"]}
-
-
 def check_parameters(params: Mapping[str, Any], name: str, *, tracking_uri_env: str, steps_run_here: bool) -> None:
     """Refuse a run that cannot work, before anything starts.
 
@@ -90,7 +85,7 @@ def check_parameters(params: Mapping[str, Any], name: str, *, tracking_uri_env: 
                 and not uri.removeprefix("sqlite:///").removeprefix("file://").startswith(WORKSPACE_MOUNT + "/")
             ):
                 raise refuse("tracking_uri", f"{uri!r} is a file in the logging step's pod, lost with it: use a tracking server")
-        build_pytorchjob(cfg, spec, cluster_options(cluster_params(params, name)))  # image, resources: checked on every backend
+        build_pytorchjob(cfg, spec, cluster_options({**params, "training_run": name}))  # image, resources: checked on every backend
 
 
 # ------------------------------------------------------------------ the run's record

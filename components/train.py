@@ -19,6 +19,7 @@ def train(
     model: str,
     seed: int,
     hang_timeout: float,
+    grace_period: float,
     checkpoint_uri: str,
     backend: str,
     training_run: str,
@@ -54,6 +55,7 @@ def train(
         model: model size.
         seed: seed.
         hang_timeout: seconds without a heartbeat before a rank counts as hung.
+        grace_period: seconds a preempted worker has to checkpoint and exit (the pods' grace period is this + 15).
         checkpoint_uri: remote location durable checkpoints are mirrored to ("" none).
         backend: ``local`` or ``kubernetes``.
         training_run: the training run's name (the check step's output): the PyTorchJob and the
@@ -72,7 +74,7 @@ def train(
     import signal
     from pathlib import Path
 
-    from components.runs import TRAIN_STEP, cluster_params, recorded, run_root
+    from components.runs import TRAIN_STEP, recorded, run_root
     from trainer.checkpoint import latest_checkpoint
     from trainer.errors import ParameterError, as_pipeline_parameters
     from trainer.launch.local import BACKENDS, check_run_dir, hold_run_dir, job_from_parameters, launch_local
@@ -100,7 +102,7 @@ def train(
             # (the same path in a pod; a local folder where the volume is emulated).
             shared_data, shared_run = shared_paths(training_run)
             job_cfg, spec = job_from_parameters(params, data=shared_data, run_dir=shared_run)
-            job = build_pytorchjob(job_cfg, spec, cluster_options(cluster_params(params, training_run)))
+            job = build_pytorchjob(job_cfg, spec, cluster_options(params))
             cfg = dataclasses.replace(job_cfg, data=str(run_root(training_run) / "data"), run_dir=str(run_root(training_run) / "run"))
             check_run_dir(cfg)  # a rerun under the same training_run must be the same training config
             with hold_run_dir(Path(cfg.run_dir)):  # a second run under this name is refused while this one lives

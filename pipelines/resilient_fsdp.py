@@ -22,7 +22,7 @@ import contextlib
 import inspect
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -33,12 +33,13 @@ from components import IMAGE
 from components.check_run import check_run
 from components.log_to_mlflow import log_to_mlflow
 from components.prepare_data import prepare_data
-from components.runs import PREVIEW_RUN, cluster_params
+from components.runs import PREVIEW_RUN
 from components.runs import check_parameters as check_run_parameters
 from components.train import train
 from components.validate_checkpoint import validate_checkpoint
 from trainer.data import BUILTIN_CORPUS
 from trainer.errors import ParameterError
+from trainer.faults import NODE_KINDS, RANK_KINDS
 from trainer.launch import CREDENTIAL_SECRETS, WORKSPACE_ENV, WORKSPACE_MOUNT
 from trainer.launch.spec import LaunchSpec
 from trainer.rank.config import config_defaults
@@ -61,10 +62,23 @@ class Outputs(NamedTuple):
     training_run: str
 
 
+def _fault_kinds() -> str:
+    """The fault kinds for the ``fault`` parameter's description (KFP reads it from the docstring)."""
+    kinds = "; ".join(f"{kind}: {what}" for kind, what in RANK_KINDS.items())
+    return f"{kinds}. {' and '.join(NODE_KINDS)} are refused: they need rfsdp train --netns"
+
+
+def _with_fault_kinds(func: Callable) -> Callable:
+    """Fill the fault kinds into ``func``'s docstring before ``dsl.pipeline`` reads the descriptions."""
+    func.__doc__ = func.__doc__.replace("{FAULT_KINDS}", _fault_kinds())
+    return func
+
+
 @dsl.pipeline(
     name=PIPELINE_NAME,
     description="Resilient FSDP training: NVRx async checkpoints, in-process and in-job restart; a validated checkpoint; MLflow.",
 )
+@_with_fault_kinds
 def resilient_fsdp_training(
     steps: int = TRAIN["steps"],
     ckpt_every: int = TRAIN["ckpt_every"],
@@ -77,6 +91,7 @@ def resilient_fsdp_training(
     model: str = TRAIN["model"],
     seed: int = TRAIN["seed"],
     hang_timeout: float = TRAIN["hang_timeout"],
+    grace_period: float = TRAIN["grace_period"],
     backend: str = "kubernetes",
     training_run: str = "",
     image: str = IMAGE,
@@ -100,11 +115,12 @@ def resilient_fsdp_training(
         nproc_per_node: Worker processes per replica (one per GPU with gpus=true).
         max_restarts: In-job restarts ft_launcher may do before the job fails.
         inprocess_restart: Recover soft faults (exceptions, stuck Python) inside the running processes.
-        fault: Fault schedule KIND@STEP[:RANK],..., at most one per step. KIND: exception, sigkill, hang, exit,
-            sigterm (preemption), corrupt-event ("" none).
+        fault: Fault schedule KIND@STEP[:RANK],..., at most one per step ("" none). KIND: {FAULT_KINDS}.
         model: Model size: tiny, small, base, large or 1b.
         seed: Seed of initialization and data order.
         hang_timeout: Seconds without a heartbeat before a rank counts as hung (the other timeouts derive from it).
+        grace_period: Seconds a preempted or evicted worker has to checkpoint its step and exit (the PyTorchJob's
+            terminationGracePeriodSeconds is this plus 15).
         backend: Where training runs: kubernetes (a PyTorchJob) or local (processes inside the train step's pod).
         training_run: Name of the training run ("" = derived from this KFP run, so every run starts afresh). A DNS-1035
             name names the PyTorchJob and the run's folder on the shared volume: a rerun under it resumes the run.
@@ -128,9 +144,9 @@ def resilient_fsdp_training(
         checked = check_run(
             steps=steps, ckpt_every=ckpt_every, ckpt_mode=ckpt_mode, nnodes=nnodes, nproc_per_node=nproc_per_node,
             max_restarts=max_restarts, inprocess_restart=inprocess_restart, fault=fault, model=model, seed=seed,
-            hang_timeout=hang_timeout, backend=backend, training_run=training_run, image=image, job_namespace=job_namespace,
-            gpus=gpus, cpu=cpu, memory=memory, source=source, pvc_name=pvc_name, checkpoint_uri=checkpoint_uri,
-            tracking_uri=tracking_uri, experiment=experiment, **kfp_run,
+            hang_timeout=hang_timeout, grace_period=grace_period, backend=backend, training_run=training_run, image=image,
+            job_namespace=job_namespace, gpus=gpus, cpu=cpu, memory=memory, source=source, pvc_name=pvc_name,
+            checkpoint_uri=checkpoint_uri, tracking_uri=tracking_uri, experiment=experiment, **kfp_run,
         ).set_display_name("check parameters")  # fmt: skip
         name = checked.output
         job_id = kfp_run["pipeline_job_id"]
@@ -138,9 +154,9 @@ def resilient_fsdp_training(
         trained = train(
             data=data.outputs["data"], steps=steps, ckpt_every=ckpt_every, ckpt_mode=ckpt_mode, nnodes=nnodes,
             nproc_per_node=nproc_per_node, max_restarts=max_restarts, inprocess_restart=inprocess_restart, fault=fault,
-            model=model, seed=seed, hang_timeout=hang_timeout, checkpoint_uri=checkpoint_uri, backend=backend,
-            training_run=name, image=image, job_namespace=job_namespace, pvc_name=pvc_name, gpus=gpus, cpu=cpu,
-            memory=memory, pipeline_job_id=job_id,
+            model=model, seed=seed, hang_timeout=hang_timeout, grace_period=grace_period, checkpoint_uri=checkpoint_uri,
+            backend=backend, training_run=name, image=image, job_namespace=job_namespace, pvc_name=pvc_name, gpus=gpus,
+            cpu=cpu, memory=memory, pipeline_job_id=job_id,
         ).set_display_name("train")  # fmt: skip
         checked_ckpt = validate_checkpoint(
             run=trained.outputs["run"], data=data.outputs["data"], training_run=name, pipeline_job_id=job_id
@@ -226,10 +242,10 @@ def pytorchjob_manifest(overrides: Mapping[str, Any]) -> dict[str, Any]:
 
     # Only the job is shown here: where the run will be logged does not change it.
     params = check_parameters({"tracking_uri": "http://mlflow.preview", **overrides})
-    name = params["training_run"] or PREVIEW_RUN
-    data, run_dir = shared_paths(name)
+    params["training_run"] = params["training_run"] or PREVIEW_RUN
+    data, run_dir = shared_paths(params["training_run"])
     cfg, spec = job_from_parameters(params, data=data, run_dir=run_dir)
-    return to_manifest(build_pytorchjob(cfg, spec, cluster_options(cluster_params(params, name))))
+    return to_manifest(build_pytorchjob(cfg, spec, cluster_options(params)))
 
 
 # ------------------------------------------------------------------ compile / run / submit

@@ -27,7 +27,6 @@ from kubeflow.training import ApiClient, TrainingClient, models
 from kubernetes import client as k8s
 from kubernetes import config as kube_config
 
-from components.runs import cluster_params
 from pipelines.resilient_fsdp import check_parameters, pytorchjob_manifest
 from trainer.emulation.apiserver import RBAC_FILE
 from trainer.emulation.cluster import Cluster, cluster_problem, emulated_cluster
@@ -411,7 +410,7 @@ def test_train_step_runs_the_real_pytorchjob_with_faults(
     params = check_parameters(overrides)  # what components/train.py does with its parameters:
     data, run_dir = shared_paths("e2e")
     cfg, spec = job_from_parameters(params, data=data, run_dir=run_dir)
-    job = build_pytorchjob(cfg, spec, cluster_options(cluster_params(params, "e2e")))
+    job = build_pytorchjob(cfg, spec, cluster_options(params))
     pvc = Path(cluster.kubeconfig).parent.parent / "pvc"
     shutil.copytree(data_dir, pvc / "e2e" / "data")  # what the step copies onto the shared volume
     # The step's own credentials: the client reads $KUBECONFIG when it is imported (a step process

@@ -11,10 +11,11 @@ import copy
 import pytest
 from kubernetes import client as k8s
 
-from components.runs import cluster_params
 from pipelines.resilient_fsdp import check_parameters, pytorchjob_manifest
+from trainer.checkpoint import SIGNING_KEY_ENV
 from trainer.emulation.apiserver import ApiError, CrdSchema, webhook_violations
 from trainer.emulation.operator import operator_env as injected_env
+from trainer.launch import CREDENTIAL_SECRETS
 from trainer.launch.k8s import build_pytorchjob, cluster_options, shared_paths
 from trainer.launch.local import job_from_parameters, operator_env, worker_command
 
@@ -33,7 +34,11 @@ def admitted(schema: CrdSchema, job: dict) -> dict:
     return job
 
 
-CASES = [{}, {"nnodes": 2, "nproc_per_node": 1}, {"nnodes": 4, "nproc_per_node": 8, "gpus": True, "model": "1b", "job_namespace": "team-a"}]
+CASES = [
+    {},
+    {"nnodes": 2, "nproc_per_node": 1},
+    {"nnodes": 4, "nproc_per_node": 8, "gpus": True, "model": "1b", "job_namespace": "team-a", "grace_period": 120.0},
+]
 
 
 @pytest.mark.parametrize("overrides", CASES)
@@ -50,6 +55,11 @@ def test_manifest_validates_against_crd_and_webhook_rules(schema: CrdSchema, ove
     assert pod["securityContext"] == {"runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000, "runAsNonRoot": True}
     limits = pod["containers"][0]["resources"]["limits"]
     assert limits.get("nvidia.com/gpu") == (str(overrides["nproc_per_node"]) if overrides.get("gpus") else None)
+    # The ranks' time to checkpoint on SIGTERM, plus the launcher's own exit.
+    assert pod["terminationGracePeriodSeconds"] == int(overrides.get("grace_period", 30)) + 15
+    # Every credential secret, each optional, the checkpoint signing key among them.
+    assert pod["containers"][0]["envFrom"] == [{"secretRef": {"name": s, "optional": True}} for s in CREDENTIAL_SECRETS]
+    assert CREDENTIAL_SECRETS["rfsdp-checkpoint-key"] == (SIGNING_KEY_ENV,)
 
 
 def test_the_schema_and_rules_catch_bad_manifests(schema: CrdSchema) -> None:
@@ -77,7 +87,7 @@ def test_one_launch_contract_local_and_cluster() -> None:
     params = check_parameters({"nnodes": 3, "nproc_per_node": 2, "max_restarts": 5, "fault": "sigkill@7:5", **TRACKED})
     data, run_dir = shared_paths("exp-1")
     cfg, spec = job_from_parameters(params, data=data, run_dir=run_dir)
-    job = k8s.ApiClient().sanitize_for_serialization(build_pytorchjob(cfg, spec, cluster_options(cluster_params(params, "exp-1"))))
+    job = k8s.ApiClient().sanitize_for_serialization(build_pytorchjob(cfg, spec, cluster_options({**params, "training_run": "exp-1"})))
     container = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
     assert container["command"] == worker_command(cfg)
     operator = {e["name"]: e["value"] for e in injected_env(job, "Worker", 1)}

@@ -33,7 +33,7 @@ def test_the_cli_the_pipeline_and_the_config_share_their_defaults() -> None:
     pipeline, flags = pipeline_defaults(), train_flag_defaults()
     shared = {**config, **launch}
     in_pipeline = set(pipeline) & set(shared)
-    assert {"steps", "ckpt_every", "ckpt_mode", "fault", "model", "hang_timeout", "nnodes", "max_restarts"} <= in_pipeline
+    assert {"steps", "ckpt_every", "ckpt_mode", "fault", "model", "hang_timeout", "grace_period", "nnodes", "max_restarts"} <= in_pipeline
     assert {name: pipeline[name] for name in in_pipeline} == {name: shared[name] for name in in_pipeline}
     in_cli = set(flags) & set(shared)
     assert set(config) - {"world_size"} <= in_cli  # every config field is a flag (world_size derives from the spec)

@@ -32,6 +32,7 @@ from pipelines.resilient_fsdp import PIPELINE_NAME, compile_pipeline, parameter_
 from trainer.cli import main
 from trainer.errors import ParameterError
 from trainer.events import Restart, RunStart, read_events, select
+from trainer.faults import FAULT_KINDS
 from trainer.launch import CREDENTIAL_SECRETS, WORKSPACE_ENV, WORKSPACE_MOUNT
 from trainer.launch.spec import resolve_run_name
 from trainer.results.summary import VERDICT
@@ -43,7 +44,7 @@ BODY = ["check-run", "prepare-data", "train", "validate-checkpoint"]
 EXIT = "log-to-mlflow"
 EXPECTED_PARAMETERS = {
     "steps", "ckpt_every", "ckpt_mode", "nnodes", "nproc_per_node", "max_restarts", "inprocess_restart", "fault", "model", "seed",
-    "hang_timeout", "backend", "training_run", "image", "job_namespace", "gpus", "cpu", "memory", "source", "pvc_name",
+    "hang_timeout", "grace_period", "backend", "training_run", "image", "job_namespace", "gpus", "cpu", "memory", "source", "pvc_name",
     "checkpoint_uri", "tracking_uri", "experiment",
 }  # fmt: skip
 HEADLINE = {
@@ -78,6 +79,8 @@ def test_compiled_ir_parses_strictly(compiled: list[dict]) -> None:
     assert inputs["backend"].default_value.string_value == "kubernetes"
     assert inputs["training_run"].default_value.string_value == ""
     assert inputs["tracking_uri"].default_value.string_value == ""
+    # The fault kinds come from the fault grammar itself, so a new kind is described at once.
+    assert all(kind in inputs["fault"].description for kind in FAULT_KINDS)
 
 
 def test_the_steps_run_inside_an_exit_handler_that_logs_every_run(compiled: list[dict]) -> None:
@@ -162,6 +165,9 @@ def test_the_default_training_run_is_unique_per_kfp_run_and_an_explicit_one_is_k
         ("training_run=Bad_Name", "training_run: 'Bad_Name' is not a DNS-1035 label"),
         ("backend=slurm", "backend: 'slurm' is not one of local, kubernetes"),
         ("memory=lots", "memory: 'lots' is not a Kubernetes quantity"),
+        ("job_namespace=Team_A", "job_namespace: 'Team_A' is not a valid namespace name"),
+        ("grace_period=2", "grace_period: must be at least 5 s"),
+        ("fault=node-loss@3:0", "fault: node-loss@3:0 are node-level faults"),
         ("checkpoint_uri=/data/ckpts", "checkpoint_uri: '/data/ckpts' is not s3://bucket/prefix"),
         ("tracking_uri=mlflow.example.com:5000", "tracking_uri: 'mlflow.example.com:5000' is not an MLflow tracking URI"),
         ("tracking_uri=http://", "tracking_uri: 'http://' names no host"),

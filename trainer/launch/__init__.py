@@ -14,11 +14,13 @@ WORKSPACE_ENV = "RFSDP_WORKSPACE"
 CREDENTIAL_SECRETS: dict[str, tuple[str, ...]] = {
     "rfsdp-s3": ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"),
     "rfsdp-mlflow": ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"),
+    "rfsdp-checkpoint-key": ("RFSDP_CHECKPOINT_KEY",),  # trainer.checkpoint.SIGNING_KEY_ENV (that module loads torch)
 }
 """Secrets (name -> keys, each key becomes the env variable of that name) given to the pipeline's
 pods and to every worker, all optional: credentials never travel as pipeline parameters. The
 MLflow secret may also name the cluster's tracking server, so runs started from the UI need no
-``tracking_uri``."""
+``tracking_uri``; the checkpoint key signs every manifest the workers write and is required of
+every checkpoint the workers and the validate step load (docs/checkpoints.md, "What is trusted")."""
 IMAGE_UID = 1000
 """User id the image runs as (the Dockerfile's ``USER``); pods set the same ``runAsUser``."""
 IMAGE_GID = 1000

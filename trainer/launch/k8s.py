@@ -28,17 +28,17 @@ from kubeflow.training.constants import constants as kf
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
+from trainer.errors import ParameterError
 from trainer.faults import NodeFault
 from trainer.launch import CREDENTIAL_SECRETS, IMAGE_GID, IMAGE_UID, WORKSPACE_MOUNT
 from trainer.launch.local import DEFAULT_RDZV_PORT, worker_command
-from trainer.launch.spec import LaunchSpec
+from trainer.launch.spec import LaunchSpec, check_run_name
 from trainer.rank.config import TrainConfig
 
 API_VERSION = "kubeflow.org/v1"
 KIND = "PyTorchJob"
 CONTAINER = kf.PYTORCHJOB_CONTAINER  # the webhook requires this container name
 RDZV_PORT_NAME = "pytorchjob-port"  # the operator exposes this named port on each replica's service
-_DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
 
@@ -52,7 +52,8 @@ class ClusterOptions:
     """Where and how the PyTorchJob runs (everything beyond the training config and launch spec)."""
 
     name: str
-    """Job name (DNS-1035); pods and services are named ``<name>-worker-<i>``."""
+    """Job name: the training run's (``trainer.launch.spec.check_run_name``); pods and services are
+    named ``<name>-worker-<i>``."""
     image: str
     """Container image of every worker (the project's Dockerfile)."""
     namespace: str = ""
@@ -77,25 +78,25 @@ class ClusterOptions:
     """Seconds the finished job object is kept for inspection."""
 
     def __post_init__(self) -> None:
-        if len(self.name) > 63 - len("-worker-00") or not _DNS_1035.match(self.name):
-            raise ValueError(
-                f"run_name: {self.name!r} is not a DNS-1035 label of at most 53 characters (a-z, 0-9, '-'; starting with a letter)"
-            )
+        def refuse(param: str, problem: str) -> ParameterError:
+            return ParameterError(param, problem, style="parameter")
+
+        check_run_name(self.name)
         if self.namespace and (len(self.namespace) > 63 or not _DNS_1123.match(self.namespace)):
-            raise ValueError(f"namespace: {self.namespace!r} is not a valid namespace name")
+            raise refuse("job_namespace", f"{self.namespace!r} is not a valid namespace name")
         if not self.image.strip() or any(c.isspace() for c in self.image):
-            raise ValueError(f"image: {self.image!r} is not a container image reference")
+            raise refuse("image", f"{self.image!r} is not a container image reference")
         if not _DNS_1123.match(self.pvc_name):
-            raise ValueError(f"pvc_name: {self.pvc_name!r} is not a valid PersistentVolumeClaim name")
+            raise refuse("pvc_name", f"{self.pvc_name!r} is not a valid PersistentVolumeClaim name")
         for field_name in ("cpu", "memory", "shm_size"):
             if not _QUANTITY.match(getattr(self, field_name)):
-                raise ValueError(f"{field_name}: {getattr(self, field_name)!r} is not a Kubernetes quantity (e.g. 4, 500m, 16Gi)")
+                raise refuse(field_name, f"{getattr(self, field_name)!r} is not a Kubernetes quantity (e.g. 4, 500m, 16Gi)")
         for secret in self.secrets:
             if not _DNS_1123.match(secret):
-                raise ValueError(f"secrets: {secret!r} is not a valid Secret name")
+                raise refuse("secrets", f"{secret!r} is not a valid Secret name")
         for field_name in ("backoff_limit", "active_deadline_s", "ttl_after_finished_s"):
             if getattr(self, field_name) < 0:
-                raise ValueError(f"{field_name} must be >= 0, got {getattr(self, field_name)}")
+                raise refuse(field_name, f"must be >= 0, got {getattr(self, field_name)}")
 
 
 def build_pytorchjob(cfg: TrainConfig, spec: LaunchSpec, opts: ClusterOptions) -> models.KubeflowOrgV1PyTorchJob:
@@ -105,10 +106,14 @@ def build_pytorchjob(cfg: TrainConfig, spec: LaunchSpec, opts: ClusterOptions) -
     """
     node_faults = [f.key for f in cfg.faults if isinstance(f, NodeFault)]
     if node_faults:  # fired by the local netns harness; nothing in a PyTorchJob would fire them
-        raise ValueError(f"fault: {', '.join(node_faults)} are node-level faults, which only the local --netns cluster can inject")
+        raise ParameterError(
+            "fault", f"{', '.join(node_faults)} are node-level faults, which only the local --netns cluster can inject", style="parameter"
+        )
     for flag, path in (("data", cfg.data), ("run_dir", cfg.run_dir)):
         if not path.startswith(WORKSPACE_MOUNT + "/"):
-            raise ValueError(f"{flag}: {path!r} is not on the shared volume ({WORKSPACE_MOUNT}), so the workers cannot see it")
+            raise ParameterError(
+                flag, f"{path!r} is not on the shared volume ({WORKSPACE_MOUNT}), so the workers cannot see it", style="parameter"
+            )
     limits = {"cpu": opts.cpu, "memory": opts.memory}
     if opts.gpus:
         limits["nvidia.com/gpu"] = str(spec.nproc_per_node)
@@ -270,13 +275,16 @@ def shared_paths(run_name: str) -> tuple[str, str]:
 
 
 def cluster_options(params: Mapping[str, Any]) -> ClusterOptions:
-    """``ClusterOptions`` from the pipeline's parameters (``run_name``, ``image``, ``namespace``,
-    ``pvc_name``, ``gpus``, ``cpu``, ``memory``); raises ValueError naming a bad one.
+    """``ClusterOptions`` from the pipeline's parameters (``training_run``, the resolved name of the
+    run, ``image``, ``job_namespace``, ``pvc_name``, ``gpus``, ``cpu``, ``memory``).
+
+    Raises:
+        ParameterError: naming the bad pipeline parameter.
     """
     return ClusterOptions(
-        name=params["run_name"],
+        name=params["training_run"],
         image=params["image"],
-        namespace=params["namespace"],
+        namespace=params["job_namespace"],
         pvc_name=params["pvc_name"],
         gpus=params["gpus"],
         cpu=params["cpu"],

@@ -38,7 +38,8 @@ RUN_NAME_MAX = 63 - len("-worker-00")
 
 
 def check_run_name(name: str) -> str:
-    """``name`` if it can name a training run (a DNS-1035 label of at most ``RUN_NAME_MAX`` characters).
+    """``name`` if it can name a training run (a DNS-1035 label of at most ``RUN_NAME_MAX`` characters):
+    the run's folder on the shared volume and its PyTorchJob (``trainer.launch.k8s``), one rule for both.
 
     Raises:
         ParameterError: naming the pipeline parameter ``training_run``.
