@@ -1,0 +1,59 @@
+"""The deployment guide's commands are ones this code base accepts, and its files exist."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainer.cli import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+GUIDE = ROOT / "docs" / "deployment.md"
+
+
+def commands(prefix: str) -> list[list[str]]:
+    """The command lines of the guide's bash blocks that start with ``prefix``."""
+    blocks = re.findall(r"```bash\n(.*?)```", GUIDE.read_text(), re.S)
+    lines = [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()]
+    return [shlex.split(line) for line in lines if line.startswith(prefix)]
+
+
+@pytest.mark.parametrize("argv", commands("rfsdp "), ids=lambda argv: " ".join(argv[1:3]))
+def test_every_rfsdp_command_parses_with_the_real_cli(argv: list[str]) -> None:
+    args = build_parser().parse_args(argv[1:])  # argparse exits (a failure here) on an unknown flag or choice
+    for item in getattr(args, "set", None) or []:
+        assert "=" in item, item
+
+
+def test_every_file_the_guide_names_exists() -> None:
+    named = set(re.findall(r"(?:deploy|scripts|docs|tests)/[\w./-]+\.(?:yaml|sh|md|py)", GUIDE.read_text()))
+    assert {"deploy/pvc.yaml", "deploy/rbac.yaml", "scripts/gpu_check.sh"} <= named
+    assert [name for name in sorted(named) if not (ROOT / name).is_file()] == []
+    kubectl = [argv for argv in commands("kubectl ") if "apply" in argv]
+    assert {argv[argv.index("-f") + 1] for argv in kubectl} == {"deploy/pvc.yaml", "deploy/rbac.yaml"}
+
+
+def test_the_volume_claim_is_one_the_pods_mount() -> None:
+    import dataclasses
+
+    from trainer.launch.k8s import ClusterOptions
+
+    default = next(f.default for f in dataclasses.fields(ClusterOptions) if f.name == "pvc_name")
+    claim = yaml.safe_load((ROOT / "deploy" / "pvc.yaml").read_text())
+    assert claim["kind"] == "PersistentVolumeClaim" and claim["apiVersion"] == "v1"
+    assert claim["metadata"]["name"] == default  # the pipeline's default pvc_name
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # workers on several nodes write to it
+
+
+@pytest.mark.parametrize("argv", [a for a in commands("rfsdp pipeline ") if a[2] in ("compile", "manifest")], ids=lambda a: a[2])
+def test_the_guides_compile_and_manifest_commands_run(argv: list[str], tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "trainer.cli", *argv[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout if argv[2] == "manifest" else (tmp_path / argv[argv.index("--out") + 1]).read_text()
+    assert all(yaml.safe_load_all(out))  # the compiled IR: the pipeline spec, then the platform spec (the volume)
