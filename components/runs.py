@@ -44,7 +44,6 @@ def check_parameters(params: Mapping[str, Any], name: str, *, tracking_uri_env: 
         ParameterError: naming the pipeline parameter.
     """
     from trainer.errors import ParameterError, as_pipeline_parameters
-    from trainer.faults import parse_fault_spec
     from trainer.launch import WORKSPACE_MOUNT
     from trainer.launch.k8s import build_pytorchjob, cluster_options, shared_paths
     from trainer.launch.local import BACKENDS, job_from_parameters
@@ -64,11 +63,6 @@ def check_parameters(params: Mapping[str, Any], name: str, *, tracking_uri_env: 
         check_run_name(name)
         data, run_dir = shared_paths(name)
         cfg, spec = job_from_parameters(params, data=data, run_dir=run_dir)
-        steps: dict[int, str] = {}
-        for fault in parse_fault_spec(cfg.fault, steps=cfg.steps, world_size=spec.world_size, nnodes=spec.nnodes):
-            if fault.step in steps:  # which fault a recovery answers would be a race
-                raise refuse("fault", f"{steps[fault.step]} and {fault.key} are both at step {fault.step}: one fault per step")
-            steps[fault.step] = fault.key
         if params["tracking_uri"]:
             check_tracking_uri(params["tracking_uri"])
         uri = params["tracking_uri"] or tracking_uri_env
