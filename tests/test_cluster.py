@@ -366,11 +366,20 @@ def test_the_step_creates_follows_cancels_and_uses_exactly_the_roles_verbs(clust
 
 
 @pytest.mark.slow
-def test_the_step_fails_with_the_jobs_reason(cluster: Cluster) -> None:
-    job = as_model(tiny_job("broken", "import sys; sys.exit(13)", claim="scratch", restart_policy="Never"))
-    reason = "PyTorchJobFailed: PyTorchJob broken is failed because 1 Worker replica(s) failed."
+def test_the_step_fails_with_the_jobs_reason_and_deletes_the_failed_job(cluster: Cluster) -> None:
+    """Past its backoff limit an OnFailure job's pods would keep restarting until its TTL: the step
+    prints its workers' last lines, deletes it and its pods, then fails with the job's reason."""
+    failing = "import sys; print('disk full', flush=True); sys.exit(2)"
+    job = as_model(tiny_job("broken", failing, claim="scratch", replicas=2, backoffLimit=1))
+    reason = "PyTorchJobFailed: PyTorchJob broken has failed because it has reached the specified backoff limit"
+    lines: list[str] = []
     with pytest.raises(JobFailed, match=f"PyTorchJob {NS}/broken failed: {re.escape(reason)}$"):
-        run_pytorchjob(job, training_client=step_client(cluster), poll_s=1, timeout_s=60, log=lambda s: None)
+        run_pytorchjob(job, training_client=step_client(cluster), poll_s=1, timeout_s=60, log=lines.append)
+    assert cluster.stored(PLURAL, NS, "broken") is None
+    assert [p for p in (cluster.stored("pods", NS, f"broken-worker-{i}") for i in range(2)) if p] == []
+    # Each worker's log (its text depends on when the kubelet restarted the container again).
+    assert [line.splitlines()[0] for line in lines if line.startswith("---")] == [f"--- broken-worker-{i} (last lines)" for i in range(2)]
+    assert lines[-1] == f"deleted PyTorchJob {NS}/broken"
 
 
 @pytest.mark.slow

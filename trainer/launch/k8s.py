@@ -8,8 +8,9 @@ container named ``pytorch``, restartPolicy OnFailure, a run policy, the shared v
 the data and the run dir, GPUs and resources, and a memory-backed ``/dev/shm``.
 
 ``run_pytorchjob`` creates the job with ``TrainingClient``, streams worker 0's log, waits for
-Succeeded or Failed, deletes the job when the caller is cancelled (and waits until its pods have
-stopped), and raises ``JobFailed`` with the job's own reason. Every call it makes is one the Role
+Succeeded or Failed, deletes the job when it failed (after printing its workers' last log lines)
+or the caller is cancelled (and waits until its pods have stopped), and raises ``JobFailed`` with
+the job's own reason. Every call it makes is one the Role
 in ``deploy/rbac.yaml`` grants; ``tests/test_cluster.py`` runs it against the emulated cluster
 (``trainer.emulation.cluster``).
 """
@@ -39,6 +40,8 @@ API_VERSION = "kubeflow.org/v1"
 KIND = "PyTorchJob"
 CONTAINER = kf.PYTORCHJOB_CONTAINER  # the webhook requires this container name
 RDZV_PORT_NAME = "pytorchjob-port"  # the operator exposes this named port on each replica's service
+LOG_DRAIN_S = 60.0
+"""Seconds a finished job's log stream may take to deliver its last lines to the step's log."""
 _DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
 
@@ -166,7 +169,7 @@ def build_pytorchjob(cfg: TrainConfig, spec: LaunchSpec, opts: ClusterOptions) -
                 kf.REPLICA_TYPE_WORKER: models.KubeflowOrgV1ReplicaSpec(replicas=spec.nnodes, restart_policy="OnFailure", template=pod)
             },
             run_policy=models.KubeflowOrgV1RunPolicy(
-                clean_pod_policy="None",  # keep finished pods: their logs explain a failure
+                clean_pod_policy="None",  # keep finished pods for their logs (the step deletes a failed job, printing them first)
                 backoff_limit=opts.backoff_limit,
                 active_deadline_seconds=opts.active_deadline_s or None,
                 ttl_seconds_after_finished=opts.ttl_after_finished_s,
@@ -189,7 +192,11 @@ def run_pytorchjob(
     timeout_s: float = 7 * 86400,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Create the job, stream worker 0's log, wait for Succeeded or Failed.
+    """Create the job, stream worker 0's log, wait for Succeeded or Failed; delete a failed job.
+
+    A failed job is deleted once its workers' last log lines are printed: past its backoff limit
+    (restartPolicy OnFailure, cleanPodPolicy None) its pods would keep restarting, holding their
+    GPUs, until the job's TTL.
 
     Args:
         job: from ``build_pytorchjob``.
@@ -202,7 +209,8 @@ def run_pytorchjob(
         The final job object as a dict (its ``status`` holds conditions and replica statuses).
 
     Raises:
-        JobFailed: the job failed (with its reason and message), was deleted, or timed out.
+        JobFailed: the job failed (with its reason and message; the job has been deleted), was
+            deleted, or timed out.
         KeyboardInterrupt: the caller was cancelled; the job has been deleted.
     """
     name, namespace = job.metadata.name, job.metadata.namespace
@@ -219,16 +227,18 @@ def run_pytorchjob(
             name, namespace, expected_conditions=done, wait_timeout=max(int(timeout_s), 1), polling_interval=max(int(poll_s), 1)
         )
     except BaseException as e:  # cancelled, timed out, or the job vanished: leave nothing behind
-        grace = max(r.template.spec.termination_grace_period_seconds or 30 for r in job.spec.pytorch_replica_specs.values())
-        _delete_quietly(tc, name, namespace, grace + 15, log)
+        _delete_quietly(tc, job, log)
         if isinstance(e, KeyboardInterrupt | SystemExit):
             raise
         raise JobFailed(f"{KIND} {namespace}/{name} could not be followed to completion: {e}") from e
-    follower.join(timeout=poll_s)
+    # Worker 0's container has ended (or is between restarts): its stream closes once the rest is read.
+    follower.join(timeout=max(poll_s, LOG_DRAIN_S))
     status = tc.api_client.sanitize_for_serialization(final).get("status", {})
     conditions = [c for c in status.get("conditions") or [] if c.get("status") == "True"]
     if not any(c.get("type") == kf.JOB_CONDITION_SUCCEEDED for c in conditions):
         failed = next((c for c in reversed(conditions) if c.get("type") == kf.JOB_CONDITION_FAILED), {})
+        _print_last_lines(tc, name, namespace, log)  # deleting the job deletes its pods' logs
+        _delete_quietly(tc, job, log)
         raise JobFailed(
             f"{KIND} {namespace}/{name} failed: {failed.get('reason', 'unknown reason')}: {failed.get('message', '')}".rstrip(": ")
         )
@@ -247,11 +257,25 @@ def _follow_logs(tc: TrainingClient, name: str, namespace: str, poll_s: float, d
         print(f"(log stream of {name} ended: {e})")
 
 
-def _delete_quietly(tc: TrainingClient, name: str, namespace: str, wait_s: float, log: Callable[[str], None]) -> None:
-    """Delete the job and wait (up to ``wait_s``) until it is gone. Foreground propagation keeps
-    the job object until every pod has stopped (SIGTERM: the ranks checkpoint and exit), so once
-    it is gone nothing writes to the run dir any more and the caller may release it.
+def _print_last_lines(tc: TrainingClient, name: str, namespace: str, log: Callable[[str], None], lines: int = 30) -> None:
+    """The last lines of every worker's log (best effort: the job's status has the verdict)."""
+    try:
+        logs, _ = tc.get_job_logs(name, namespace, is_master=False)
+    except Exception as e:  # noqa: BLE001 (a missing log must not hide the job's failure)
+        log(f"(could not read the workers' logs of {name}: {e})")
+        return
+    for pod, text in sorted(logs.items()):
+        log(f"--- {pod} (last lines)\n" + "\n".join(text.splitlines()[-lines:]))
+
+
+def _delete_quietly(tc: TrainingClient, job: models.KubeflowOrgV1PyTorchJob, log: Callable[[str], None]) -> None:
+    """Delete the job and wait until it is gone (at most its pods' grace period + 15 s).
+    Foreground propagation keeps the job object until every pod has stopped (SIGTERM: the ranks
+    checkpoint and exit), so once it is gone nothing writes to the run dir any more and the caller
+    may release it.
     """
+    name, namespace = job.metadata.name, job.metadata.namespace or tc.namespace
+    wait_s = 15 + max(r.template.spec.termination_grace_period_seconds or 30 for r in job.spec.pytorch_replica_specs.values())
     try:
         tc.delete_job(name, namespace, delete_options=k8s.V1DeleteOptions(propagation_policy="Foreground"))
     except Exception as e:  # noqa: BLE001 (already gone is fine; report anything else)
