@@ -5,15 +5,19 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
 
-from tests.conftest import MlflowServer, rfsdp
+from tests.conftest import ROOT, MlflowServer, rfsdp
 from trainer.errors import ParameterError
-from trainer.events import Checkpoint, Restart, Step, from_record, read_events, summarize
+from trainer.events import Checkpoint, Restart, RunEnd, Step, from_record, read_events, summarize
 from trainer.results.summary import VERDICT, headline_metrics
 from trainer.results.tracking import (
     EVENTS_HASH_TAG,
@@ -244,3 +248,46 @@ def test_malformed_tracking_uris_are_refused(uri: str, problem: str) -> None:
         check_tracking_uri(uri)
     for good in ("http://mlflow.ns:5000", "https://mlflow.example.com", "sqlite:////mnt/rfsdp/mlflow.db", "postgresql+psycopg2://u@db/m"):
         assert check_tracking_uri(good) == good
+
+
+@pytest.mark.slow
+def test_mlflow_follows_a_run_while_it_trains(data_dir: Path, mlflow_server: MlflowServer, tmp_path: Path) -> None:
+    """``rfsdp train --tracking-uri``: the run's loss curve is in MLflow (RUNNING) while it trains;
+    preempted, the same MLflow run is completed, every step once."""
+    run = tmp_path / "run"
+    cmd = ["train", "--quiet", "--data", str(data_dir), "--run-dir", str(run), "--steps", "2000", "--tracking-uri", mlflow_server.uri]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer.cli", *cmd, "--experiment", "live"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    client, deadline, seen = MlflowClient(mlflow_server.uri), time.monotonic() + 300, None
+    while seen is None:  # the run goes on until the test stops it: no race with its end
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        experiment = client.get_experiment_by_name("live")
+        runs = client.search_runs([experiment.experiment_id]) if experiment else []
+        if runs and client.get_metric_history(runs[0].info.run_id, "loss"):
+            seen = runs[0]
+        time.sleep(0.5)
+    assert seen.info.status == "RUNNING"
+    proc.send_signal(signal.SIGTERM)  # preempted: it checkpoints the step it reached and logs the whole run
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0 and f"MLflow run {seen.info.run_id}" in err, err
+    end = [e for e in read_events(run) if isinstance(e, RunEnd)][-1]
+    final = client.get_run(seen.info.run_id)
+    assert final.info.status == "FINISHED" and final.data.tags["rfsdp.run_key"]
+    assert sorted(m.step for m in client.get_metric_history(seen.info.run_id, "loss")) == list(range(1, end.step + 1))
+    assert len(client.search_runs([seen.info.experiment_id])) == 1
+
+
+@pytest.mark.slow
+def test_a_tracking_server_that_is_down_costs_the_training_nothing(data_dir: Path, tmp_path: Path) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{s.getsockname()[1]}"
+    run = tmp_path / "run"
+    proc = rfsdp("train", "--quiet", "--data", str(data_dir), "--run-dir", str(run), "--steps", "20", "--tracking-uri", down)
+    assert proc.returncode == 0 and "not logged to MLflow" in proc.stderr and down in proc.stderr, proc.stderr
+    assert max(e.step for e in read_events(run) if isinstance(e, Step)) == 20  # and log-mlflow can log it later

@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import os
 import shutil
 import signal
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
 
 from trainer.data import BUILTIN_CORPUS
 from trainer.data.prepare import DEFAULT_SHARD_TOKENS
 from trainer.errors import FATAL_EXIT_CODE
-from trainer.events import fatal_error, latest_end, read_events
+from trainer.events import EVENTS_FILE, fatal_error, latest_end, read_events
 from trainer.launch.spec import LaunchSpec
 from trainer.rank.config import TrainConfig, add_train_arguments
 from trainer.results.tracking import DEFAULT_EXPERIMENT
@@ -37,20 +39,21 @@ def _train(args: argparse.Namespace) -> int:
     spec = LaunchSpec(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts)
     args.world_size = spec.world_size
     cfg = TrainConfig.from_mapping(vars(args))
-    try:
-        if args.netns:  # each replica on its own network-namespace host, torn down afterwards
-            from trainer.emulation.netns import LocalCluster
+    with _tracking(args, Path(cfg.run_dir)):
+        try:
+            if args.netns:  # each replica on its own network-namespace host, torn down afterwards
+                from trainer.emulation.netns import LocalCluster
 
-            with LocalCluster(spec.nnodes) as cluster:
-                code = launch_local(cfg, spec, progress=not args.quiet, placement=cluster)
-        else:
-            code = launch_local(cfg, spec, progress=not args.quiet)
-    except Terminated:  # preempted: a clean end if every rank checkpointed the step it reached
-        end = latest_end(read_events(Path(cfg.run_dir)))
-        if end is None or end.status != "preempted":
-            raise
-        print(f"rfsdp train: preempted at step {end.step}, checkpointed: the same command resumes it", file=sys.stderr)
-        code = 0
+                with LocalCluster(spec.nnodes) as cluster:
+                    code = launch_local(cfg, spec, progress=not args.quiet, placement=cluster)
+            else:
+                code = launch_local(cfg, spec, progress=not args.quiet)
+        except Terminated:  # preempted: a clean end if every rank checkpointed the step it reached
+            end = latest_end(read_events(Path(cfg.run_dir)))
+            if end is None or end.status != "preempted":
+                raise
+            print(f"rfsdp train: preempted at step {end.step}, checkpointed: the same command resumes it", file=sys.stderr)
+            code = 0
     if code:
         logs = Path(cfg.run_dir) / "logs"
         if code == FATAL_EXIT_CODE and (fatal := fatal_error(read_events(Path(cfg.run_dir)))):
@@ -62,6 +65,30 @@ def _train(args: argparse.Namespace) -> int:
 
     print_run_summary(Path(cfg.run_dir))
     return 0
+
+
+@contextlib.contextmanager
+def _tracking(args: argparse.Namespace, run_dir: Path) -> Iterator[None]:
+    """With ``--tracking-uri``: MLflow follows the run while it trains, and gets all of it at the
+    end (a tracking server that is down costs nothing but a line: ``rfsdp log-mlflow`` later).
+    """
+    if not args.tracking_uri:
+        yield
+        return
+    from trainer.results.tracking import LiveLogger, TrackingError, check_tracking_uri, log_run
+
+    check_tracking_uri(args.tracking_uri)
+    live = LiveLogger(run_dir, tracking_uri=args.tracking_uri, experiment=args.experiment).start()
+    try:
+        yield
+    finally:
+        live.close()
+        if (run_dir / EVENTS_FILE).is_file():
+            try:
+                run_id = log_run(run_dir, tracking_uri=args.tracking_uri, experiment=args.experiment, retries=2)
+                print(f"rfsdp train: MLflow run {run_id} in {args.experiment!r} at {args.tracking_uri}", file=sys.stderr)
+            except (TrackingError, ValueError) as e:
+                print(f"rfsdp train: not logged to MLflow: {e}", file=sys.stderr)
 
 
 def _local_run_dir(uri: str) -> Path:
@@ -199,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=launch.max_restarts, help="in-job restarts ft_launcher may do")
     p.add_argument("--netns", action="store_true", help="each replica on its own network-namespace host (root; replicas restart like pods)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI: the run is logged while it trains and when it ends (default: not logged)")
+    p.add_argument("--experiment", default=DEFAULT_EXPERIMENT, help="MLflow experiment, with --tracking-uri (default: %(default)s)")
     p.set_defaults(func=_train)
 
     p = sub.add_parser("validate", help="prove a run's checkpoint is usable: JSON verdict; exit 0 valid, 1 invalid, 2 could not run")

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -31,6 +32,7 @@ from trainer.events import (
     Checkpoint,
     CheckpointFailed,
     Event,
+    EventTail,
     FaultFired,
     Restart,
     RunStart,
@@ -118,14 +120,15 @@ def checkpoint_table(events: list[Event]) -> dict[str, list]:
     }
 
 
-def metric_points(events: list[Event]) -> list[tuple[str, float, int, int]]:
+def metric_points(events: list[Event], *, totals: bool = True) -> list[tuple[str, float, int, int]]:
     """Every metric point of a run as ``(key, value, timestamp_ms, step)``, deterministic.
 
     Timestamps are the events' own times, so logging the same events twice yields identical
     points (which MLflow's SQL stores drop as duplicates). Per-step points use the training step
     (a re-executed step appears twice, at its two times); checkpoint points the checkpointed
     step; restart points the restart attempt; fault points their order; summary points step 0 at
-    the time of the last event.
+    the time of the last event. Without ``totals`` (a part of the log, while the run goes on)
+    the points that need the whole log are left out: fault points and the summary.
     """
     points: list[tuple[str, float, int, int]] = []
     n_faults = 0
@@ -140,14 +143,14 @@ def metric_points(events: list[Event]) -> list[tuple[str, float, int, int]]:
                 points.append((f"ckpt_{key}", value, ts, e.step))
         elif isinstance(e, CheckpointFailed):
             points.append(("ckpt_failed_step", e.step, ts, e.step))
-        elif isinstance(e, FaultFired):
+        elif isinstance(e, FaultFired) and totals:
             n_faults += 1
             points.append(("fault_step", e.step, ts, n_faults))
         elif isinstance(e, Restart):
             for key, value in (("recovery_s", e.recovery_s), ("lost_steps", e.lost_steps), ("resumed_from_step", e.resumed_from_step)):
                 points.append((f"restart_{key}", value, ts, e.attempt))
             points.append((f"restart_{e.layer}_recovery_s", e.recovery_s, ts, e.attempt))
-    if events:
+    if events and totals:
         end = int(events[-1].time * 1000)
         points += [(k, float(v), end, 0) for k, v in summarize(events).items() if v is not None]
     return points
@@ -524,3 +527,77 @@ def _experiment_id(client: MlflowClient, uri: str, name: str) -> str:
         if existing is None:
             raise
         return existing.experiment_id
+
+
+class LiveLogger:
+    """Logs a run to MLflow while it trains, from a background thread of the launching process:
+    every ``interval_s``, the step, checkpoint and restart points of the events written since
+    (MLflow steps are training steps; a redone step is a second point at its own time). The
+    MLflow run is the one :func:`log_run` finds again by the run dir's identity, shown RUNNING
+    until ``log_run`` completes it. It never blocks or fails the training: while the server is
+    unreachable, the points wait for the next attempt (``error`` says why).
+    """
+
+    def __init__(
+        self, run_dir: Path, *, tracking_uri: str | None = None, experiment: str = DEFAULT_EXPERIMENT, interval_s: float = 5.0
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.uri = resolve_tracking_uri(tracking_uri)
+        self.experiment = experiment
+        self.interval_s = interval_s
+        self.run_id: str | None = None
+        self.error: str | None = None
+        self._tail = EventTail(self.run_dir)
+        self._waiting: list[Event] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="mlflow-live", daemon=True)
+
+    def start(self) -> LiveLogger:
+        """Start following the run."""
+        self._thread.start()
+        return self
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Log what is left (one last attempt, at most ``timeout_s``) and stop."""
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        from mlflow.exceptions import MlflowException
+        from requests.exceptions import RequestException
+
+        while True:
+            stopping = self._stop.wait(self.interval_s)
+            self._waiting += self._tail.new()
+            try:
+                self._flush()
+                self.error = None
+            except (MlflowException, RequestException, OSError, ValueError, TrackingError) as e:
+                self.error = f"{type(e).__name__}: {e}"  # caught up at the next attempt
+            if stopping:
+                return
+
+    def _flush(self) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        points = metric_points(self._waiting, totals=False)
+        if not points:
+            self._waiting = []
+            return
+        wait_for_server(self.uri, retries=1)  # a server that is down fails fast, not after the client's own retries
+        client = _client(self.uri)
+        if self.run_id is None:
+            events_path = self.run_dir / EVENTS_FILE
+            key = run_key(events_path)  # ValueError until the run_start is written: tried again
+            experiment_id = _experiment_id(client, self.uri, self.experiment)
+            found = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{key}'", max_results=1)
+            if found:
+                self.run_id = found[0].info.run_id
+            else:
+                start = int(self._waiting[0].time * 1000)
+                self.run_id = client.create_run(experiment_id, start_time=start, run_name=self.run_dir.name).info.run_id
+                client.log_batch(self.run_id, tags=[RunTag(RUN_KEY_TAG, key), RunTag("rfsdp.run_dir", str(self.run_dir.resolve()))])
+        metrics = [Metric(k, v, ts, step) for k, v, ts, step in points]
+        for i in range(0, len(metrics), _MAX_BATCH):
+            client.log_batch(self.run_id, metrics=metrics[i : i + _MAX_BATCH])
+        self._waiting = []
