@@ -295,3 +295,25 @@ def test_a_fatal_error_latches_only_the_launcher_that_saw_it() -> None:
     assert fatal_error([old], "none", since=launcher_started) is None
     assert fatal_error([old, new], "none", since=launcher_started) == new
     assert fatal_error([old, new], "another-job", since=launcher_started) is None
+
+
+@pytest.mark.parametrize("suffix", [".toml", ".yaml"])
+def test_a_config_file_sets_train_options_and_flags_override_it(tmp_path: Path, suffix: str) -> None:
+    from trainer.cli import _config_defaults, build_parser
+
+    text = 'steps = 12\nckpt_every = 4\nfault = "exception@6:1"\ninprocess_restart = false\n'
+    path = tmp_path / f"run{suffix}"
+    path.write_text(text if suffix == ".toml" else text.replace(" = ", ": "))
+    argv = ["train", "--config", str(path), "--data", "d", "--run-dir", "r", "--steps", "10"]
+    parser = build_parser()
+    _config_defaults(parser, "train", path)
+    args = parser.parse_args(argv)
+    assert (args.steps, args.ckpt_every, args.fault, args.inprocess_restart) == (10, 4, "exception@6:1", False)
+    assert TrainConfig.from_mapping({**vars(args), "world_size": 2}).ckpt_every == 4
+
+    path.write_text("stepz = 3\n" if suffix == ".toml" else "stepz: 3\n")
+    with pytest.raises(ValueError, match=r"--config: unknown key 'stepz' in .*run\.(toml|yaml) \(known: batch_size"):
+        _config_defaults(build_parser(), "train", path)
+    path.write_text("inprocess_restart = 3\n" if suffix == ".toml" else "inprocess_restart: 3\n")
+    with pytest.raises(ValueError, match="inprocess_restart in .* must be true or false"):
+        _config_defaults(build_parser(), "train", path)

@@ -226,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=launch.max_restarts, help="in-job restarts ft_launcher may do")
     p.add_argument("--netns", action="store_true", help="each replica on its own network-namespace host (root; replicas restart like pods)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--config", help="TOML (or .yaml) file of these options, keys in snake_case (steps = 60); options given here override it"
+    )
     p.add_argument("--tracking-uri", help="MLflow tracking URI: the run is logged while it trains and when it ends (default: not logged)")
     p.add_argument("--experiment", default=DEFAULT_EXPERIMENT, help="MLflow experiment, with --tracking-uri (default: %(default)s)")
     p.set_defaults(func=_train)
@@ -258,7 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
         "training_run, tracking_uri, ...)"
     )
     a = actions.add_parser(
-        "run-local", help="run the whole pipeline locally with kfp.local (SubprocessRunner, this venv; backend=local, local MLflow)"
+        "run-local",
+        help="run the whole pipeline locally with kfp.local (SubprocessRunner, this venv; backend=local, local MLflow); "
+        "backend=kubernetes runs the PyTorchJob on an emulated cluster (root)",
     )
     a.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help=settable)
     a.add_argument("--root", default="work/pipeline", help="local working directory (pipeline root with every artifact)")
@@ -289,9 +294,46 @@ def _terminate(signum: int, frame: object) -> None:
     raise Terminated(f"signal {signum}")
 
 
+def _config_defaults(parser: argparse.ArgumentParser, command: str, path: Path) -> None:
+    """Make the options in ``path`` (TOML, or YAML for .yaml/.yml; keys are the options' names in
+    snake_case, as the pipeline's parameters) the defaults of ``command``.
+
+    Raises:
+        ValueError: an unreadable file or an unknown key, naming it.
+    """
+    import tomllib
+
+    import yaml
+
+    try:
+        text = path.read_text()
+        values = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else tomllib.loads(text)
+    except (OSError, yaml.YAMLError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"--config: cannot read {path} ({e})") from None
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    options = {a.dest: a for a in sub._actions if a.dest not in ("help", "config")}
+    if not isinstance(values, dict):
+        raise ValueError(f"--config: {path} is not a table of options")
+    for key, value in values.items():
+        if key not in options:
+            raise ValueError(f"--config: unknown key {key!r} in {path} (known: {', '.join(sorted(options))})")
+        if options[key].type is None and not isinstance(value, bool | str | None):
+            raise ValueError(f"--config: {key} in {path} must be true or false, got {value!r}")
+    # Strings, so that argparse converts and checks them like the flag's own value.
+    sub.set_defaults(**{k: v if isinstance(v, bool | None) else str(v) for k, v in values.items()})
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``rfsdp`` console script."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):  # the file's values become defaults: flags given override them
+        try:
+            _config_defaults(parser, args.command, Path(args.config))
+        except ValueError as e:
+            print(f"rfsdp {args.command}: error: {e}", file=sys.stderr)
+            return 2
+        args = parser.parse_args(argv)
     if threading.current_thread() is threading.main_thread():
         # A scheduler stops us with SIGTERM: unwind like Ctrl-C, so that what we started (replica
         # launchers run in their own sessions) is stopped, gracefully, instead of orphaned.
