@@ -24,7 +24,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kfp import compiler, dsl, kubernetes
 from kfp.dsl import Markdown, Metrics
@@ -45,11 +45,16 @@ from trainer.launch.spec import LaunchSpec
 from trainer.rank.config import config_defaults
 from trainer.results.tracking import DEFAULT_EXPERIMENT
 
+if TYPE_CHECKING:
+    from trainer.emulation.cluster import Cluster
+
 PIPELINE_NAME = "resilient-fsdp-training"
 TRAIN = config_defaults()  # the pipeline's defaults are the config's and the launch spec's own
 LAUNCH = LaunchSpec()
 LOCAL_OVERRIDES = {"backend": "local"}
 """What ``run_local`` sets unless told otherwise (besides a local ``tracking_uri``)."""
+DEFAULT_NAMESPACE = "default"
+"""The namespace of a job whose ``job_namespace`` is "" outside a pod (``TrainingClient``'s)."""
 
 
 class Outputs(NamedTuple):
@@ -262,17 +267,55 @@ def compile_pipeline(out: Path) -> Path:
 
 
 @contextlib.contextmanager
-def _local_workspace(path: Path) -> Iterator[None]:
-    """Inside, the steps' shared volume is ``path`` (kfp.local mounts no volume; its steps inherit the env)."""
-    before = os.environ.get(WORKSPACE_ENV)
-    os.environ[WORKSPACE_ENV] = str(path.resolve())
+def _step_env(**values: str) -> Iterator[None]:
+    """Inside, the steps see these environment variables (kfp.local's steps inherit this process's)."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if before is None:
-            del os.environ[WORKSPACE_ENV]
-        else:
-            os.environ[WORKSPACE_ENV] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
+def _local_cluster(params: Mapping[str, Any], root: Path, workspace: Path) -> Iterator["Cluster | None"]:
+    """With ``backend=kubernetes``, the emulated cluster the train step's PyTorchJob runs on (None
+    otherwise). Its claim ``pvc_name`` is ``workspace``, the folder the steps see as the shared
+    volume; its secrets hold the credential variables of this environment, which the steps inherit,
+    so steps and workers see the same ones as on a cluster; the steps reach it through ``KUBECONFIG``.
+    """
+    if params["backend"] != "kubernetes":
+        yield None
+        return
+    from trainer.emulation.cluster import emulated_cluster
+
+    secrets = {name: {k: os.environ[k] for k in keys if k in os.environ} for name, keys in CREDENTIAL_SECRETS.items()}
+    with (
+        emulated_cluster(
+            root / "cluster",
+            namespace=params["job_namespace"] or DEFAULT_NAMESPACE,
+            claims={params["pvc_name"]: workspace},
+            secrets_data={name: data for name, data in secrets.items() if data},
+        ) as cluster,
+        _step_env(KUBECONFIG=str(cluster.kubeconfig)),
+    ):
+        yield cluster
+
+
+def _keep_pytorchjob(cluster: "Cluster", params: Mapping[str, Any], name: str, root: Path) -> Path:
+    """Write the PyTorchJob as the emulated API server holds it (spec and final status): the
+    cluster, and the job with it, ends with ``run_local``.
+    """
+    import yaml
+
+    path = root / "cluster" / f"{name}.pytorchjob.yaml"
+    job = cluster.stored("pytorchjobs", params["job_namespace"] or DEFAULT_NAMESPACE, name)
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path
 
 
 def run_local(overrides: Mapping[str, Any], root: Path) -> dict[str, Any]:
@@ -280,7 +323,9 @@ def run_local(overrides: Mapping[str, Any], root: Path) -> dict[str, Any]:
 
     The local overrides come first: ``backend=local`` and the local MLflow store (or
     ``MLFLOW_TRACKING_URI``); ``overrides`` may change them. The shared volume is
-    ``root/workspace``: run dirs live there under their training run's name.
+    ``root/workspace``: run dirs live there under their training run's name. With
+    ``backend=kubernetes`` the train step's PyTorchJob runs on an emulated cluster
+    (``trainer.emulation.cluster``, root only) in ``root/cluster``, started and stopped here.
 
     Args:
         overrides: pipeline parameters that differ from the defaults.
@@ -288,10 +333,12 @@ def run_local(overrides: Mapping[str, Any], root: Path) -> dict[str, Any]:
 
     Returns:
         ``training_run``, ``run_dir``, ``metrics`` (the headline figures), ``report`` (path),
-        ``mlflow_run_id``, ``mlflow_url`` and ``tracking_uri``.
+        ``mlflow_run_id``, ``mlflow_url``, ``tracking_uri`` and ``pytorchjob`` (with
+        ``backend=kubernetes``, the path of the job as the API server stored it; else None).
 
     Raises:
-        ParameterError: a bad parameter (nothing was started or written).
+        ParameterError: a bad parameter, or ``backend=kubernetes`` where the emulated cluster
+            cannot run (nothing was started or written).
         RuntimeError: a step failed (kfp.local names it); the exit handler has logged the run.
     """
     import kfp.local
@@ -299,25 +346,34 @@ def run_local(overrides: Mapping[str, Any], root: Path) -> dict[str, Any]:
     from trainer.results.tracking import resolve_tracking_uri
 
     overrides = {**LOCAL_OVERRIDES, "tracking_uri": resolve_tracking_uri(None), **overrides}
-    check_parameters(overrides, tracking_uri_env=os.environ.get("MLFLOW_TRACKING_URI", ""), steps_run_here=True)
-    root.mkdir(parents=True, exist_ok=True)
+    params = check_parameters(overrides, tracking_uri_env=os.environ.get("MLFLOW_TRACKING_URI", ""), steps_run_here=True)
+    if params["backend"] == "kubernetes":
+        from trainer.emulation.cluster import cluster_problem
+
+        if problem := cluster_problem():
+            raise ParameterError("backend", f"run-local runs kubernetes on the emulated cluster, which {problem}", style="parameter")
+    workspace = (root / "workspace").resolve()
+    workspace.mkdir(parents=True, exist_ok=True)
     kfp.local.init(
         runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(root.resolve() / "pipeline_root"), raise_on_error=True
     )
     try:
-        with _local_workspace(root / "workspace"):
+        with _step_env(**{WORKSPACE_ENV: str(workspace)}), _local_cluster(params, root, workspace) as cluster:
             task = resilient_fsdp_training(**overrides)
+            name = task.outputs["training_run"]
+            pytorchjob = _keep_pytorchjob(cluster, params, name, root) if cluster else None
     finally:
         kfp.local.config.LocalExecutionConfig.instance = None  # the next run configures its own
     out = task.outputs
     return {
-        "training_run": out["training_run"],
-        "run_dir": root / "workspace" / out["training_run"] / "run",
+        "training_run": name,
+        "run_dir": workspace / name / "run",
         "metrics": dict(out["metrics"].metadata),
         "report": out["report"].path,
         "mlflow_run_id": out["mlflow_run_id"],
         "mlflow_url": out["mlflow_url"],
         "tracking_uri": overrides["tracking_uri"],
+        "pytorchjob": pytorchjob,
     }
 
 
@@ -423,3 +479,6 @@ def print_local_result(result: Mapping[str, Any]) -> None:
     print(f"MLflow run id:     {result['mlflow_run_id']}")
     print(f"MLflow run:        {result['mlflow_url']}")
     print(f"MLflow UI:         mlflow ui --backend-store-uri {result['tracking_uri']}")
+    if result["pytorchjob"]:
+        print(f"PyTorchJob:        {result['pytorchjob']} (as the emulated API server stored it)")
+        print(f"pod logs:          {Path(result['pytorchjob']).parent / 'pods'}")

@@ -12,8 +12,8 @@ import _thread
 import json
 import os
 import re
-import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -27,13 +27,11 @@ from kubeflow.training import ApiClient, TrainingClient, models
 from kubernetes import client as k8s
 from kubernetes import config as kube_config
 
-from pipelines.resilient_fsdp import check_parameters, pytorchjob_manifest
+from trainer.checkpoint import SIGNING_KEY_ENV, latest_checkpoint, manifest_signature
 from trainer.emulation.apiserver import RBAC_FILE
 from trainer.emulation.cluster import Cluster, cluster_problem, emulated_cluster
-from trainer.events import FaultFired, Restart, read_events
-from trainer.launch.k8s import JobFailed, build_pytorchjob, cluster_options, run_pytorchjob, shared_paths
-from trainer.launch.local import job_from_parameters
-from trainer.results.validate import validate_run
+from trainer.events import FaultFired, Restart, read_events, select
+from trainer.launch.k8s import JobFailed, run_pytorchjob
 
 PROBLEM = cluster_problem()
 pytestmark = pytest.mark.skipif(PROBLEM is not None, reason=f"the emulated cluster cannot run here: {PROBLEM}")
@@ -406,52 +404,50 @@ def _log(core: k8s.CoreV1Api, pod: str) -> str:
 
 # ----------------------------------------------------------------------------- end to end
 @pytest.mark.slow
-def test_train_step_runs_the_real_pytorchjob_with_faults(
-    cluster: Cluster, data_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
-) -> None:
-    """The train step's kubernetes path, through a kubeconfig: the PyTorchJob from the manifest
-    code, 2 Worker pods running real ft_launchers on CPU, an exception on rank 1 (in-process
-    restart) and a SIGKILL of rank 0 (in-job restart), progress in the step's log, then a valid
-    checkpoint.
+def test_run_local_runs_the_whole_pipeline_through_the_emulated_cluster(tmp_path: Path) -> None:
+    """`rfsdp pipeline run-local --set backend=kubernetes`: the train step creates the PyTorchJob of
+    `rfsdp pipeline manifest` through a kubeconfig, 2 Worker pods run real ft_launchers on CPU, an
+    exception on rank 1 (in-process restart) and a SIGKILL of rank 0 (in-job restart) recover, rank
+    0's progress reaches the step's log, the validate step finds the checkpoint valid and MLflow
+    holds the restarts. The checkpoint key of the environment reaches the workers through the
+    rfsdp-checkpoint-key secret: they sign every manifest, and validation accepts only signed ones.
     """
-    overrides = {"training_run": "e2e", "job_namespace": "", "nnodes": 2, "nproc_per_node": 1, "steps": 20, "ckpt_every": 5}
-    overrides |= {"fault": "exception@8:1,sigkill@15:0", "hang_timeout": 6, "tracking_uri": "http://mlflow.preview"}
-    params = check_parameters(overrides)  # what components/train.py does with its parameters:
-    data, run_dir = shared_paths("e2e")
-    cfg, spec = job_from_parameters(params, data=data, run_dir=run_dir)
-    job = build_pytorchjob(cfg, spec, cluster_options(params))
-    pvc = Path(cluster.kubeconfig).parent.parent / "pvc"
-    shutil.copytree(data_dir, pvc / "e2e" / "data")  # what the step copies onto the shared volume
-    # The step's own credentials: the client reads $KUBECONFIG when it is imported (a step process
-    # started with it set, as kfp.local starts one, sees the same).
-    monkeypatch.setattr(kube_config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(cluster.kubeconfig))
-    lines: list[str] = []
-    try:
-        final = run_pytorchjob(job, poll_s=1, timeout_s=240, log=lines.append)
-    except JobFailed:
-        for log in sorted((Path(cluster.kubeconfig).parent / "pods").glob(f"{NS}_e2e-worker-*/pytorch-*.log")):
-            print(f"--- {log.parent.name}/{log.name}\n{log.read_text()[-4000:]}")
-        raise
-    assert conditions(final)[-1] == "Succeeded" and lines[0] == f"created PyTorchJob {NS}/e2e"
-    stored = cluster.stored(PLURAL, NS, "e2e")
+    import mlflow
+
+    settings = ["backend=kubernetes", "training_run=e2e", "nnodes=2", "nproc_per_node=1", "steps=12", "ckpt_every=4"]
+    settings += ["fault=exception@3:1,sigkill@7:0", "hang_timeout=6"]
+    uri, key = f"sqlite:///{tmp_path / 'mlflow.db'}", "the run's key"
+    sets = [arg for s in settings for arg in ("--set", s)]
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, SIGNING_KEY_ENV: key}
+    root = tmp_path / "root"
+    cli = [sys.executable, "-m", "trainer.cli", "pipeline"]
+    proc = subprocess.run([*cli, "run-local", "--root", str(root), *sets], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+    stored = yaml.safe_load((root / "cluster" / "e2e.pytorchjob.yaml").read_text())
+    assert conditions(stored)[-1] == "Succeeded"
     server_fields = {"uid", "resourceVersion", "generation", "creationTimestamp"}
     stored["metadata"] = {k: v for k, v in stored["metadata"].items() if k not in server_fields}
     del stored["status"]
-    expected = pytorchjob_manifest(overrides)
+    shown = subprocess.run([*cli, "manifest", *sets], env=env, capture_output=True, text=True, timeout=120, check=True)
+    expected = yaml.safe_load(shown.stdout)
     expected["metadata"]["namespace"] = NS  # the client's namespace: the manifest leaves it to the step's pod
     assert stored == expected
-    run = pvc / "e2e" / "run"
+
+    run = root / "workspace" / "e2e" / "run"
     events = read_events(run)
-    assert {(f.kind, f.step, f.rank) for f in events if isinstance(f, FaultFired)} == {("exception", 8, 1), ("sigkill", 15, 0)}
-    assert {r.layer for r in events if isinstance(r, Restart)} >= {"in_process", "in_job"}
+    assert {(f.kind, f.step, f.rank) for f in select(events, FaultFired)} == {("exception", 3, 1), ("sigkill", 7, 0)}
+    assert {r.layer for r in select(events, Restart)} == {"in_process", "in_job"}
     # Rank 0's progress lines reach the step's log through worker 0's followed log.
-    printed: list[str] = []
+    assert "[Pod e2e-worker-0]: step 12/12" in proc.stdout
+    assert "(in_process): resumed from step" in proc.stdout and "(in_job): resumed from step" in proc.stdout
+    latest = json.loads((latest_checkpoint(run) / "manifest.json").read_text())
+    assert latest["step"] == 12 and latest["signature"] == manifest_signature(latest, key.encode())
 
-    def streamed() -> bool:
-        printed.append(capsys.readouterr().out)
-        return "[Pod e2e-worker-0]: step 20/20" in "".join(printed)
-
-    wait_for(streamed, what="worker 0's last progress line in the step's log")
-    assert "(in_process): resumed from step" in "".join(printed) and "(in_job): resumed from step" in "".join(printed)
-    report = validate_run(run, data=pvc / "e2e" / "data")  # the run recorded the path its pods saw
-    assert report.valid, report
+    run_id = re.search(r"MLflow run id:\s*([0-9a-f]{32})", proc.stdout)[1]
+    logged = mlflow.MlflowClient(tracking_uri=uri).get_run(run_id)
+    assert logged.info.status == "FINISHED" and logged.data.tags["backend"] == "kubernetes"
+    assert logged.data.tags["rfsdp.valid"] == "true" and logged.data.tags["training_run"] == "e2e"
+    restarts = select(events, Restart)
+    for layer in ("in_process", "in_job"):
+        assert logged.data.metrics[f"restarts_{layer}"] == len([r for r in restarts if r.layer == layer])

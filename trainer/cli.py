@@ -266,7 +266,11 @@ def build_parser() -> argparse.ArgumentParser:
         "backend=kubernetes runs the PyTorchJob on an emulated cluster (root)",
     )
     a.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help=settable)
-    a.add_argument("--root", default="work/pipeline", help="local working directory (pipeline root with every artifact)")
+    a.add_argument(
+        "--root",
+        default="work/pipeline",
+        help="local working directory: pipeline_root/ (every artifact), workspace/ (the shared volume), cluster/ (the emulated cluster)",
+    )
     a = actions.add_parser("submit", help="upload the pipeline to a KFP server and start a run (token from KFP_TOKEN)")
     a.add_argument("--host", required=True, help="KFP API endpoint, e.g. https://kubeflow.example.com/pipeline")
     a.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help=settable)

@@ -188,7 +188,7 @@ def run_pytorchjob(
     job: models.KubeflowOrgV1PyTorchJob,
     *,
     training_client: TrainingClient | None = None,
-    poll_s: float = 10.0,
+    poll_s: float = 2.0,
     timeout_s: float = 7 * 86400,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
@@ -201,7 +201,8 @@ def run_pytorchjob(
     Args:
         job: from ``build_pytorchjob``.
         training_client: a configured client (default: in-cluster or kube-config credentials).
-        poll_s: seconds between status polls.
+        poll_s: seconds between status polls (one GET each: cheap for the API server, and a
+            finished job is seen soon).
         timeout_s: give up (and delete the job) after this long.
         log: where progress lines go.
 
