@@ -1,9 +1,10 @@
 """The emulated cluster (trainer.emulation.cluster) and the train step's kubernetes path run on it.
 
-The API semantics are checked with the real `kubernetes` and `kubeflow-training` clients; the
-end-to-end test runs the real PyTorchJob from trainer.launch.k8s through a kubeconfig: real
-ft_launcher workers in Worker pods, real faults, the checkpoint validated. The cluster needs root
-(namespaces, mounts) and skips with the reason elsewhere.
+The API semantics are checked with the real `kubernetes` and `kubeflow-training` clients, the
+step's create/follow/fail/cancel paths with its own code; the end-to-end test runs the whole
+pipeline with `rfsdp pipeline run-local --set backend=kubernetes`: the real PyTorchJob through a
+kubeconfig, real ft_launcher workers in Worker pods, real faults, the checkpoint validated, the
+run in MLflow. The cluster needs root (namespaces, mounts) and skips with the reason elsewhere.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import email.parser
 import json
+import os
 import re
 import subprocess
 import sys
@@ -181,6 +182,21 @@ def test_bad_parameters_fail_before_anything_starts(tmp_path: Path, capsys: pyte
     err = capsys.readouterr().err
     assert named in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not root.exists(), "nothing may be started or written"
+
+
+def test_a_kubernetes_run_local_without_root_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """backend=kubernetes runs on the emulated cluster, which needs root: another user is refused
+    in one line naming the parameter (as root, the command runs as nobody)."""
+    root = tmp_path / "root"
+    command = [sys.executable, "-m", "trainer.cli", "pipeline", "run-local", "--root", str(root), "--set", "backend=kubernetes"]
+    command += ["--set", f"tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    if os.geteuid() == 0:
+        command = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", *command]
+    proc = subprocess.run(command, cwd="/", capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("rfsdp pipeline: error: backend: run-local runs kubernetes on the emulated cluster, which needs root")
+    assert not root.exists() and not (tmp_path / "mlflow.db").exists(), "nothing may be started or written"
 
 
 def test_compile_into_a_missing_folder_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
