@@ -329,7 +329,8 @@ def run_local(overrides: Mapping[str, Any], root: Path) -> dict[str, Any]:
 
     Args:
         overrides: pipeline parameters that differ from the defaults.
-        root: working directory: the pipeline root (artifacts) and the workspace live under it.
+        root: working directory: the pipeline root (artifacts), the workspace and the emulated
+            cluster live under it.
 
     Returns:
         ``training_run``, ``run_dir``, ``metrics`` (the headline figures), ``report`` (path),

@@ -438,7 +438,7 @@ def test_run_local_runs_the_whole_pipeline_through_the_emulated_cluster(tmp_path
     run = root / "workspace" / "e2e" / "run"
     events = read_events(run)
     assert {(f.kind, f.step, f.rank) for f in select(events, FaultFired)} == {("exception", 3, 1), ("sigkill", 7, 0)}
-    assert {r.layer for r in select(events, Restart)} == {"in_process", "in_job"}
+    assert {r.layer for r in select(events, Restart)} >= {"in_process", "in_job"}
     # Rank 0's progress lines reach the step's log through worker 0's followed log.
     assert "[Pod e2e-worker-0]: step 12/12" in proc.stdout
     assert "(in_process): resumed from step" in proc.stdout and "(in_job): resumed from step" in proc.stdout
