@@ -112,6 +112,10 @@ def test_faulty_run_logged_to_real_server(faulty_run: Path, mlflow_server: Mlflo
     assert m["checkpoints"] == len(ckpts) and m["ckpt_blocking_s_total"] == pytest.approx(sum(e.blocking_s for e in ckpts))
     loss = client.get_metric_history(run_id, "loss")  # every step line, at its real time
     assert sorted((x.step, x.timestamp) for x in loss) == sorted((e.step, int(e.time * 1000)) for e in steps)
+    redone = [e for i, e in enumerate(steps) if e.step <= max((s.step for s in steps[:i]), default=0)]
+    assert redone  # the faulty run redid steps after its recoveries: each one is marked
+    marked = client.get_metric_history(run_id, "redone_step")
+    assert sorted((x.step, x.timestamp) for x in marked) == sorted((e.step, int(e.time * 1000)) for e in redone)
     assert m["final_loss"] == [e for e in steps if e.step == 30][-1].loss
     assert m["goodput"] == pytest.approx(summarize(events)["goodput"]) and 0 < m["goodput"] < 1
 

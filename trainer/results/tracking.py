@@ -120,15 +120,17 @@ def checkpoint_table(events: list[Event]) -> dict[str, list]:
     }
 
 
-def metric_points(events: list[Event], *, totals: bool = True) -> list[tuple[str, float, int, int]]:
+def metric_points(events: list[Event], *, totals: bool = True, done_before: int = 0) -> list[tuple[str, float, int, int]]:
     """Every metric point of a run as ``(key, value, timestamp_ms, step)``, deterministic.
 
     Timestamps are the events' own times, so logging the same events twice yields identical
     points (which MLflow's SQL stores drop as duplicates). Per-step points use the training step
     (a re-executed step appears twice, at its two times); checkpoint points the checkpointed
     step; restart points the restart attempt; fault points their order; summary points step 0 at
-    the time of the last event. Without ``totals`` (a part of the log, while the run goes on)
-    the points that need the whole log are left out: fault points and the summary.
+    the time of the last event. A step done again after a recovery also gets a ``redone_step``
+    point (1.0) at its step. Without ``totals`` (a part of the log, while the run goes on) the
+    points that need the whole log are left out: fault points and the summary; ``done_before``
+    is then the highest step of the part before.
     """
     points: list[tuple[str, float, int, int]] = []
     n_faults = 0
@@ -136,6 +138,9 @@ def metric_points(events: list[Event], *, totals: bool = True) -> list[tuple[str
         ts = int(e.time * 1000)
         if isinstance(e, Step):
             points += [("loss", e.loss, ts, e.step), ("step_time_s", e.step_time_s, ts, e.step)]
+            if e.step <= done_before:
+                points.append(("redone_step", 1.0, ts, e.step))
+            done_before = max(done_before, e.step)
             if e.step_time_s > 0 and e.tokens:
                 points.append(("tokens_per_s", e.tokens / e.step_time_s, ts, e.step))
         elif isinstance(e, Checkpoint):
@@ -549,6 +554,7 @@ class LiveLogger:
         self.error: str | None = None
         self._tail = EventTail(self.run_dir)
         self._waiting: list[Event] = []
+        self._done_before = 0  # the highest step logged so far: a step at or below it is redone
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="mlflow-live", daemon=True)
 
@@ -580,7 +586,7 @@ class LiveLogger:
     def _flush(self) -> None:
         from mlflow.entities import Metric, RunTag
 
-        points = metric_points(self._waiting, totals=False)
+        points = metric_points(self._waiting, totals=False, done_before=self._done_before)
         if not points:
             self._waiting = []
             return
@@ -600,4 +606,5 @@ class LiveLogger:
         metrics = [Metric(k, v, ts, step) for k, v, ts, step in points]
         for i in range(0, len(metrics), _MAX_BATCH):
             client.log_batch(self.run_id, metrics=metrics[i : i + _MAX_BATCH])
+        self._done_before = max([self._done_before, *(e.step for e in self._waiting if isinstance(e, Step))])
         self._waiting = []
