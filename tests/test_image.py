@@ -1,41 +1,89 @@
-"""The image's build context, checked without a Docker engine: exactly what the Dockerfile's COPY
-lines bring must build the distribution (a package named in pyproject.toml but not copied fails
-`pip install .` in the image)."""
+"""The image, checked without a Docker engine: exactly what the Dockerfile's COPY lines bring must
+install and pass the Dockerfile's own import check (a package named in pyproject.toml but not
+copied fails `pip install .` in the image; one the code imports but not copied fails the check)."""
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
 import sys
+import sysconfig
+import venv
 from pathlib import Path
+
+import pytest
 
 from trainer.launch import IMAGE_GID, IMAGE_UID
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def copied_paths() -> list[str]:
+def copied_paths(dockerfile: str) -> list[str]:
     """Sources of the Dockerfile's COPY lines (relative to the build context)."""
     sources = []
-    for line in (ROOT / "Dockerfile").read_text().splitlines():
+    for line in dockerfile.splitlines():
         if line.startswith("COPY "):
             *src, _dest = line.split()[1:]
             sources += src
     return sources
 
 
-def test_the_image_build_context_makes_a_wheel(tmp_path: Path) -> None:
+def import_check(dockerfile: str) -> str:
+    """The Python the Dockerfile's install step runs to fail the build, not the first run."""
+    return re.search(r'python -c "([^"]+)"', dockerfile)[1]
+
+
+def build_image_env(dockerfile: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """The image's Python environment without a Docker engine: a fresh venv into which exactly what
+    ``dockerfile``'s COPY lines bring is installed (``pip install .``, as its RUN line does), then
+    its own import check and ``rfsdp --help``, run away from the repository. The third-party
+    packages come from this venv's site-packages (the image installs the same pins from PyPI)."""
     context = tmp_path / "context"
     context.mkdir()
-    for src in copied_paths():
+    for src in copied_paths(dockerfile):
         if (ROOT / src).is_dir():
             shutil.copytree(ROOT / src, context / src, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy(ROOT / src, context / src)
-    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "wheel"), str(context)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    env_dir = tmp_path / "image-venv"
+    venv.create(env_dir, with_pip=False)
+    python, deps = env_dir / "bin" / "python", sysconfig.get_path("purelib")
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], capture_output=True, text=True)
+    # A plain path line: the dependencies, but not this venv's editable install of the repository.
+    (Path(site.stdout.strip()) / "image_deps.pth").write_text(deps + "\n")
+    steps = [
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--prefix", str(env_dir), str(context)],
+        [python, "-c", import_check(dockerfile)],
+        [python, env_dir / "bin" / "rfsdp", "--help"],  # the console script the install made, on the fresh venv's Python
+    ]
+    for cmd in steps:
+        proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ""})
+        if proc.returncode:
+            return proc
+    return proc
+
+
+def test_the_image_environment_installs_and_passes_its_own_import_check(tmp_path: Path) -> None:
+    proc = build_image_env((ROOT / "Dockerfile").read_text(), tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert list((tmp_path / "wheel").glob("resilient_fsdp-*.whl"))
+    assert "usage: rfsdp" in proc.stdout  # the last step: the console script of the installed package
+
+
+def test_a_dockerfile_that_leaves_a_package_out_fails_the_check(tmp_path: Path) -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text().replace("COPY components components\n", "")
+    proc = build_image_env(dockerfile, tmp_path)
+    assert proc.returncode != 0 and "components" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(
+    shutil.which("docker") is None or subprocess.run(["docker", "info"], capture_output=True).returncode != 0,
+    reason="no Docker engine runs on this machine: the image's environment is checked without one above",
+)
+def test_docker_build(tmp_path: Path) -> None:
+    proc = subprocess.run(["docker", "build", "-q", "-t", "resilient-fsdp:test", str(ROOT)], capture_output=True, text=True, timeout=3600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_the_image_runs_as_the_unprivileged_user_the_pods_declare() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -43,3 +44,32 @@ def test_compiling_the_pipeline_needs_neither_torch_nor_the_trainer_runtime() ->
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "[]"
+
+
+# Files that name such paths on purpose.
+PURPOSEFUL = {"tests/test_layout.py": "this test's own samples", "tests/test_storage.py": "object keys that must be refused"}
+
+
+def paths_above(root: Path, name: str, text: str) -> list[str]:
+    """Relative paths (``../x``) in ``text`` of the file ``name`` that leave ``root``: read from
+    the file's folder in Markdown (links), from the root elsewhere (code runs from the root)."""
+    base = (root / name).parent if name.endswith(".md") else root
+    return [
+        f"{name}: {m[0]}" for m in re.finditer(r"(?<![\w/.])(?:\.\./)+[\w.-]+", text) if not (base / m[0]).resolve().is_relative_to(root)
+    ]
+
+
+def test_no_tracked_file_refers_to_a_path_above_the_repository() -> None:
+    """A user's clone has nothing beside it (no ../shared): everything the code, tests and docs
+    name lives in the repository."""
+    assert paths_above(ROOT, "tests/test_k8s.py", 'CRD = ROOT / "../shared/schemas/pytorchjob.yaml"')  # it would catch this
+    assert not paths_above(ROOT, "docs/events.md", "[back](../README.md), a/../../b")
+    names = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    offenders = []
+    for name in set(names) - set(PURPOSEFUL):
+        try:
+            text = (ROOT / name).read_text()
+        except (UnicodeDecodeError, IsADirectoryError, FileNotFoundError):
+            continue
+        offenders += paths_above(ROOT, name, text)
+    assert offenders == []
