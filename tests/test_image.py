@@ -47,16 +47,22 @@ def build_image_env(dockerfile: str, tmp_path: Path) -> subprocess.CompletedProc
             shutil.copytree(ROOT / src, context / src, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy(ROOT / src, context / src)
+    # The wheel is built by this venv's pip (it only writes the wheel); the fresh venv's own pip
+    # installs it, so this venv's editable install of the repository is never touched.
+    wheel = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "wheel"), str(context)]
+    proc = subprocess.run(wheel, capture_output=True, text=True, timeout=300)
+    if proc.returncode:
+        return proc
     env_dir = tmp_path / "image-venv"
-    venv.create(env_dir, with_pip=False)
+    venv.create(env_dir, with_pip=True)
     python, deps = env_dir / "bin" / "python", sysconfig.get_path("purelib")
     site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], capture_output=True, text=True)
     # A plain path line: the dependencies, but not this venv's editable install of the repository.
     (Path(site.stdout.strip()) / "image_deps.pth").write_text(deps + "\n")
     steps = [
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--prefix", str(env_dir), str(context)],
+        [python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", *map(str, (tmp_path / "wheel").glob("*.whl"))],
         [python, "-c", import_check(dockerfile)],
-        [python, env_dir / "bin" / "rfsdp", "--help"],  # the console script the install made, on the fresh venv's Python
+        [env_dir / "bin" / "rfsdp", "--help"],
     ]
     for cmd in steps:
         proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ""})
