@@ -88,6 +88,30 @@ def run_root(name: str) -> Path:
     return workspace() / name
 
 
+def run_descriptor(name: str, run_dir: Path) -> dict:
+    """What the train step hands on: where the run is (relative to the shared volume), and its
+    latest checkpoint with that checkpoint's manifest.
+    """
+    from trainer.checkpoint import MANIFEST, latest_checkpoint
+
+    latest = latest_checkpoint(run_dir)
+    manifest = json.loads((latest / MANIFEST).read_text()) if latest else {}
+    return {
+        "training_run": name,
+        "run": str(run_dir.relative_to(workspace())),
+        "latest_checkpoint": latest.name if latest else "",
+        "step": manifest.get("step", 0),
+        "world_size": manifest.get("world_size", 0),
+        "manifest": manifest,
+    }
+
+
+def handed_on_run(descriptor: Path) -> tuple[Path, int]:
+    """The run dir (on this step's view of the shared volume) and checkpoint step a descriptor names."""
+    described = json.loads(Path(descriptor).read_text())
+    return workspace() / described["run"], int(described["step"])
+
+
 @contextlib.contextmanager
 def recorded(name: str, kfp_run: str, step: str) -> Iterator[None]:
     """Inside, an exception (or a cancellation) is recorded as this step's failure, then raised."""

@@ -42,8 +42,8 @@ def train(
 
     Args:
         data: the prepared data set.
-        run: a copy of the run dir (events, checkpoints, logs); its metadata says where the run
-            lives and its latest checkpoint.
+        run: where the run lives on the shared volume and its latest checkpoint (with its
+            manifest): a reference, not a copy.
         steps: total optimizer steps.
         ckpt_every: checkpoint interval in steps.
         ckpt_mode: ``async`` or ``sync``.
@@ -70,12 +70,12 @@ def train(
     """
     params = dict(locals())  # the parameters, taken before anything else is defined here
     import dataclasses
+    import json
     import shutil
     import signal
     from pathlib import Path
 
-    from components.runs import TRAIN_STEP, recorded, run_root
-    from trainer.checkpoint import latest_checkpoint
+    from components.runs import TRAIN_STEP, recorded, run_descriptor, run_root
     from trainer.errors import ParameterError, as_pipeline_parameters
     from trainer.launch.local import BACKENDS, check_run_dir, hold_run_dir, job_from_parameters, launch_local
 
@@ -108,15 +108,9 @@ def train(
             with hold_run_dir(Path(cfg.run_dir)):  # a second run under this name is refused while this one lives
                 shutil.copytree(data.path, cfg.data, dirs_exist_ok=True)
                 run_pytorchjob(job)
-        shutil.copytree(cfg.run_dir, run.path, dirs_exist_ok=True)
 
-    latest = latest_checkpoint(Path(run.path))
-    run.metadata.update(
-        {
-            "training_run": training_run,
-            "run_dir": cfg.run_dir,
-            "backend": backend,
-            "world_size": spec.world_size,
-            "latest_checkpoint": latest.name if latest else "",
-        }
-    )
+    # A reference, not a copy: the run stays on the shared volume, which every step mounts, so the
+    # bytes the artifact store moves do not grow with the model.
+    descriptor = run_descriptor(training_run, Path(cfg.run_dir))
+    Path(run.path).write_text(json.dumps(descriptor, indent=1))
+    run.metadata.update({**{k: v for k, v in descriptor.items() if k != "manifest"}, "run_dir": cfg.run_dir, "backend": backend})

@@ -12,18 +12,19 @@ def validate_checkpoint(run: Input[Artifact], data: Input[Dataset], training_run
     report and logs it to MLflow; here only its one-line summary is printed.
 
     Args:
-        run: the run dir from the train step.
+        run: the train step's reference to the run on the shared volume and its latest checkpoint.
         data: the prepared data set (held-out split for evaluation).
         training_run: the training run's name (where the verdict is recorded).
         pipeline_job_id: the KFP run (tags the record).
     """
     from pathlib import Path
 
-    from components.runs import VALIDATE_STEP, record_validation, recorded
+    from components.runs import VALIDATE_STEP, handed_on_run, record_validation, recorded
     from trainer.results.validate import validate_run
 
     with recorded(training_run, pipeline_job_id, VALIDATE_STEP):
-        result = validate_run(Path(run.path), data=Path(data.path))
+        run_dir, step = handed_on_run(Path(run.path))  # on the shared volume: nothing was copied
+        result = validate_run(run_dir, step=step or None, data=Path(data.path))
         record_validation(training_run, pipeline_job_id, result.to_dict(), result.to_markdown())
         print(result.summary())
         if not result.valid:

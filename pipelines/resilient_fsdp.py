@@ -166,6 +166,9 @@ def resilient_fsdp_training(
         checked_ckpt = validate_checkpoint(
             run=trained.outputs["run"], data=data.outputs["data"], training_run=name, pipeline_job_id=job_id
         ).set_display_name("validate checkpoint")
+        # It loads the whole state in one process and starts the run's world size (+1) of CPU ranks
+        # to reshard and replay it: a worker pod's resources, not a default step's.
+        checked_ckpt.set_cpu_request(cpu).set_memory_request(memory)
     tasks = (checked, data, trained, checked_ckpt, logged)
     # The run resumes under its name and the record is rewritten each time: nothing may come from a cache.
     for task in tasks:

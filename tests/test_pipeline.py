@@ -64,6 +64,18 @@ def _spec(compiled: list[dict]) -> pipeline_spec_pb2.PipelineSpec:
     return json_format.ParseDict(compiled[0], pipeline_spec_pb2.PipelineSpec(), ignore_unknown_fields=False)
 
 
+def test_the_steps_hand_on_references_and_validation_gets_a_workers_resources(compiled: list[dict]) -> None:
+    """The run stays on the shared volume: no step copies it into the artifact store. Validation
+    loads the whole state and starts the run's world size of ranks: a worker's requests."""
+    executors = compiled[0]["deploymentSpec"]["executors"]
+    assert executors["exec-validate-checkpoint"]["container"]["resources"] == {
+        "resourceCpuRequest": "{{$.inputs.parameters['pipelinechannel--cpu']}}",
+        "resourceMemoryRequest": "{{$.inputs.parameters['pipelinechannel--memory']}}",
+    }
+    train_source = " ".join(executors["exec-train"]["container"]["command"])
+    assert "run_descriptor(" in train_source and "copytree(cfg.run_dir" not in train_source
+
+
 def test_compiled_ir_parses_strictly(compiled: list[dict]) -> None:
     assert len(compiled) == 2, "the IR and the kubernetes platform document"
     spec = _spec(compiled)
@@ -439,7 +451,11 @@ def test_train_step_two_replicas_one_rendezvous(data_dir: Path, tmp_path: Path, 
     ]
     assert sorted(j[0] for j in joined) == ["0", "1"], joined
     assert [r.layer for r in select(read_events(run_dir), Restart)] == ["in_process"]
-    assert (tmp_path / "run" / "events.jsonl").read_bytes() == (run_dir / "events.jsonl").read_bytes()  # the artifact is a copy
+    # The artifact is a reference to the run on the shared volume, not a copy of it.
+    described = json.loads((tmp_path / "run").read_text())
+    assert described["run"] == "two-replicas/run" and described["latest_checkpoint"] == "step_000010"
+    assert described["manifest"] == json.loads((run_dir / "checkpoints" / "step_000010" / "manifest.json").read_text())
+    assert (tmp_path / "run").stat().st_size < 20_000  # whatever the model's size
     assert run.metadata["world_size"] == 2 and run.metadata["latest_checkpoint"] == "step_000010"
     assert run.metadata["run_dir"] == str(run_dir)
 
