@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.reaper import reap_test_processes  # noqa: F401 (autouse: a test's processes end with it)
+from tests.reaper import (
+    reap_test_processes,  # noqa: F401 (autouse: a test's processes end with it)
+    untagged_env,
+)
 from trainer.data import BUILTIN_CORPUS
 from trainer.data.shards import builtin_corpus_text, prepare_tokens
 from trainer.events import final_losses, read_events
@@ -124,7 +127,8 @@ class MlflowServer:
             "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}", "--artifacts-destination", str(self.root / "artifacts"),
         ]  # fmt: skip
         with open(self.root / "server.log", "ab") as log:  # the child keeps its own copy of the descriptor
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            # The session owns the server, also when a test restarts it: the test's reaper must spare it.
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=untagged_env())
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -3,7 +3,8 @@
 A test's processes carry a tag in their environment, which every child inherits, also one that
 starts its own session or outlives its parent (a launcher's ranks, a background writer, a server).
 After the test, whatever still carries the tag is killed. Processes that fixtures of a wider scope
-start (a session's MLflow server) are started before the tag is set and live on.
+start (a session's MLflow server) are started before the tag is set and live on; a test that
+restarts such a process starts it with ``untagged_env()``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ def tagged_processes(tag: str) -> list[int]:
         except OSError:  # gone meanwhile, or not ours to read
             continue
     return found
+
+
+def untagged_env() -> dict[str, str]:
+    """This environment without the test's tag, for a process a wider-scoped fixture owns."""
+    return {key: value for key, value in os.environ.items() if key != TAG_ENV}
 
 
 def alive(pid: int) -> bool:

@@ -151,6 +151,10 @@ def test_cluster_hosts_are_separate_and_torn_down() -> None:
         root = subprocess.run([sys.executable, "-c", reach.replace("10)", "1)")], capture_output=True, text=True)
         assert root.returncode != 0
         sleeper = subprocess.Popen(cluster.replica_command(1, ["sleep", "600"]))
+        # `ip netns exec` enters the namespace a moment after it starts: wait for it to get there.
+        deadline = time.monotonic() + 30
+        while sleeper.pid not in cluster.pids(1) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert sleeper.pid in cluster.pids(1)
     assert not set(names) & set(_our_namespaces())
     assert sleeper.wait(timeout=10) == -signal.SIGKILL

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reaper import alive
+from tests.reaper import alive, untagged_env
 
 TESTS = Path(__file__).resolve().parent
 
@@ -71,3 +71,24 @@ def test_processes_of_wider_fixtures_live_on_1(module_process: subprocess.Popen)
 
 def test_processes_of_wider_fixtures_live_on_2(module_process: subprocess.Popen) -> None:
     assert module_process.poll() is None
+
+
+@pytest.fixture(scope="module")
+def restartable() -> list[subprocess.Popen]:
+    """A wider fixture's process that a test may restart (as the MLflow outage test restarts the server)."""
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_wider_process_restarted_untagged_1(restartable: list[subprocess.Popen]) -> None:
+    restartable.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], env=untagged_env()))
+    restartable.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"]))
+
+
+def test_a_wider_process_restarted_untagged_2(restartable: list[subprocess.Popen]) -> None:
+    untagged, tagged = restartable
+    assert untagged.poll() is None  # spared by the first test's reaper
+    assert tagged.poll() is not None  # what a test starts with its tag ends with the test
