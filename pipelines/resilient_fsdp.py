@@ -188,34 +188,111 @@ def resilient_fsdp_training(
 
 
 # ------------------------------------------------------------------ parameters
+class Parameter(NamedTuple):
+    """A pipeline parameter as the Kubeflow UI shows it."""
+
+    name: str
+    type: str
+    default: Any
+    description: str
+
+
+def parameters() -> list[Parameter]:
+    """Every pipeline parameter with its KFP type, default and description (from the docstring)."""
+    inputs = resilient_fsdp_training.component_spec.inputs
+    return [Parameter(name, spec.type, spec.default, " ".join((spec.description or "").split())) for name, spec in inputs.items()]
+
+
 def parameter_defaults() -> dict[str, Any]:
     """Every pipeline parameter with its default (the pipeline function's signature)."""
     signature = inspect.signature(resilient_fsdp_training.pipeline_func)
     return {name: p.default for name, p in signature.parameters.items()}
 
 
+_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+
+
+def _typed(name: str, value: Any, where: str) -> Any:
+    """``value`` as parameter ``name``'s type: text (``--set``) is parsed, a YAML value must fit.
+
+    Raises:
+        ValueError: unknown parameter or a value of the wrong type, naming ``where`` and the parameter.
+    """
+    defaults = parameter_defaults()
+    if name not in defaults:
+        raise ValueError(f"{where}: unknown parameter {name!r} (known: {', '.join(defaults)})")
+    kind = type(defaults[name])
+    if kind is str and value is None:  # `checkpoint_uri:` with nothing after it
+        return ""
+    if isinstance(value, str) and kind is bool and value.lower() in _TRUE + _FALSE:
+        return value.lower() in _TRUE
+    if isinstance(value, str) and kind in (int, float):
+        with contextlib.suppress(ValueError):
+            return kind(value)
+    if kind is str and isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)  # `cpu: 4` in YAML is the text "4"
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if type(value) is kind:
+        return value
+    raise ValueError(f"{where} {name}: {value!r} is not a valid {kind.__name__}")
+
+
 def parse_assignments(items: Iterable[str]) -> dict[str, Any]:
     """``NAME=VALUE`` strings (``--set``) -> typed parameter values; raises ValueError naming a bad one."""
-    defaults = parameter_defaults()
     values: dict[str, Any] = {}
     for item in items:
         name, sep, raw = item.partition("=")
-        name = name.strip()
         if not sep:
             raise ValueError(f"--set: {item!r} is not NAME=VALUE")
-        if name not in defaults:
-            raise ValueError(f"--set: unknown parameter {name!r} (known: {', '.join(defaults)})")
-        kind = type(defaults[name])
-        try:
-            if kind is bool:
-                if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                    raise ValueError
-                values[name] = raw.lower() in ("true", "1", "yes")
-            else:
-                values[name] = kind(raw)
-        except ValueError:
-            raise ValueError(f"--set {name}: {raw!r} is not a valid {kind.__name__}") from None
+        values[name.strip()] = _typed(name.strip(), raw, "--set")
     return values
+
+
+def read_parameters_file(path: Path) -> dict[str, Any]:
+    """A YAML mapping of parameter names to values (``--params``; ``rfsdp pipeline params --yaml``
+    writes one) -> typed parameter values.
+
+    Raises:
+        ValueError: an unreadable file, not a mapping, an unknown key or a value of the wrong type,
+            naming the file and the key.
+    """
+    import yaml
+
+    where = f"--params {path}"
+    try:
+        values = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"{where}: cannot read it ({e})") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ValueError(f"{where}: not a mapping of parameter names to values")
+    return {str(name): _typed(str(name), value, where) for name, value in values.items()}
+
+
+def parameters_yaml() -> str:
+    """A parameters file with every parameter at its default, each under its description."""
+    import textwrap
+
+    import yaml
+
+    lines = [f"# Parameters of the {PIPELINE_NAME} pipeline: rfsdp pipeline run-local|submit|manifest --params FILE.yaml"]
+    for p in parameters():
+        lines += ["", *textwrap.wrap(p.description, 100, initial_indent="# ", subsequent_indent="# ")]
+        lines.append(yaml.safe_dump({p.name: p.default}, default_flow_style=False).rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def parameters_text() -> str:
+    """The parameters for a terminal, as ``--help`` lists options: name, type and default, then the description."""
+    import textwrap
+
+    out = []
+    for p in parameters():
+        out.append(f"{p.name} ({p.type}, default {p.default!r})")
+        out += textwrap.wrap(p.description, 96, initial_indent="    ", subsequent_indent="    ")
+    return "\n".join(out) + "\n"
 
 
 def check_parameters(overrides: Mapping[str, Any], *, tracking_uri_env: str = "", steps_run_here: bool = False) -> dict[str, Any]:

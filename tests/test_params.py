@@ -67,3 +67,60 @@ def test_train_help_shows_defaults_choices_fault_kinds_and_an_example(capsys: py
     with pytest.raises(SystemExit):
         main(["--version"])
     assert capsys.readouterr().out.startswith("rfsdp 0.1.0")
+
+
+def test_pipeline_params_lists_every_parameter_and_writes_a_file_that_reads_back_as_the_defaults(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from pipelines.resilient_fsdp import parameter_defaults, read_parameters_file
+    from trainer.cli import main
+
+    assert main(["pipeline", "params"]) == 0
+    listing = capsys.readouterr().out
+    for name, spec in resilient_fsdp_training.component_spec.inputs.items():
+        assert f"{name} ({spec.type}, default {spec.default!r})" in listing
+        assert " ".join(spec.description.split())[:40] in " ".join(listing.split())
+    assert main(["pipeline", "params", "--yaml"]) == 0
+    params = tmp_path / "params.yaml"
+    params.write_text(capsys.readouterr().out)
+    assert read_parameters_file(params) == parameter_defaults()
+
+
+def test_params_file_feeds_manifest_and_set_overrides_it(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import yaml
+
+    from trainer.cli import main
+
+    params = tmp_path / "params.yaml"
+    # YAML's own types where the parameter is text (cpu: 2) and a float given as an integer.
+    params.write_text("steps: 20\nnnodes: 3\ncpu: 2\nhang_timeout: 12\ntracking_uri: http://mlflow.ns:5000\n")
+    assert main(["pipeline", "manifest", "--params", str(params), "--set", "nnodes=2"]) == 0
+    job = yaml.safe_load(capsys.readouterr().out)
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert worker["replicas"] == 2  # --set wins over the file
+    container = worker["template"]["spec"]["containers"][0]
+    assert container["command"][container["command"].index("--steps") + 1] == "20"
+    assert container["resources"]["limits"]["cpu"] == "2"
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("steps: 20\nstesp: 30\n", "unknown parameter 'stesp'"),
+        ("steps: many\n", "steps: 'many' is not a valid int"),
+        ("gpus: 3\n", "gpus: 3 is not a valid bool"),
+        ("- steps\n", "not a mapping of parameter names to values"),
+        ("steps: [\n", "cannot read it"),
+    ],
+)
+def test_a_bad_params_file_is_refused_naming_the_key_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture, text: str, error: str
+) -> None:
+    from trainer.cli import main
+
+    params = tmp_path / "params.yaml"
+    params.write_text(text)
+    assert main(["pipeline", "run-local", "--params", str(params), "--root", str(tmp_path / "root")]) == 2
+    out, err = capsys.readouterr()
+    assert f"--params {params}" in err and error in err and out == ""
+    assert not (tmp_path / "root").exists()

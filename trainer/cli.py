@@ -170,7 +170,11 @@ def _pipeline(args: argparse.Namespace) -> int:
     if args.action == "compile":
         print(f"compiled {pl.compile_pipeline(Path(args.out))}")
         return 0
-    overrides = pl.parse_assignments(args.set)
+    if args.action == "params":
+        print(pl.parameters_yaml() if args.yaml else pl.parameters_text(), end="")
+        return 0
+    from_file = pl.read_parameters_file(Path(args.params)) if args.params else {}
+    overrides = {**from_file, **pl.parse_assignments(args.set)}  # --set overrides the file
     if args.action == "manifest":
         print(yaml.safe_dump(pl.pytorchjob_manifest(overrides), sort_keys=False), end="")
     elif args.action == "run-local":
@@ -198,6 +202,22 @@ def _bench(args: argparse.Namespace) -> int:
 
     names = list(BENCHMARKS) if args.which == "all" else [args.which]
     return run_benchmarks(names, quick=args.quick, json_path=args.json, work=args.work)
+
+
+def _add_parameter_options(a: argparse.ArgumentParser) -> None:
+    """``--params FILE.yaml`` and ``--set NAME=VALUE`` of the pipeline actions that start or show a run."""
+    a.add_argument(
+        "--params",
+        metavar="FILE.yaml",
+        help="YAML file of pipeline parameters (rfsdp pipeline params --yaml writes one); --set overrides it",
+    )
+    a.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="pipeline parameter (repeatable; names as in rfsdp pipeline params: steps, nnodes, fault, backend, ...)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -256,29 +276,41 @@ def build_parser() -> argparse.ArgumentParser:
     actions = p.add_subparsers(dest="action", required=True)
     a = actions.add_parser("compile", help="compile the pipeline to KFP IR YAML")
     a.add_argument("--out", default="resilient_fsdp_training.yaml", help="output file (its folder must exist)")
-    settable = (
-        "pipeline parameter NAME=VALUE (repeatable; names as in the train flags, snake_case: steps, nnodes, fault, backend, "
-        "training_run, tracking_uri, ...)"
+    a = actions.add_parser(
+        "params",
+        help="list the pipeline's parameters: type, default, description",
+        epilog="example: rfsdp pipeline params --yaml > params.yaml  (edit it, then: rfsdp pipeline run-local --params params.yaml)",
     )
+    a.add_argument("--yaml", action="store_true", help="print a parameters file for --params: every parameter at its default")
+
     a = actions.add_parser(
         "run-local",
         help="run the whole pipeline locally with kfp.local (SubprocessRunner, this venv; backend=local, local MLflow); "
         "backend=kubernetes runs the PyTorchJob on an emulated cluster (root)",
+        epilog="example: rfsdp pipeline run-local --params params.yaml --set fault=exception@15:1,sigkill@30:0",
     )
-    a.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help=settable)
+    _add_parameter_options(a)
     a.add_argument(
         "--root",
         default="work/pipeline",
         help="local working directory: pipeline_root/ (every artifact), workspace/ (the shared volume), cluster/ (the emulated cluster)",
     )
-    a = actions.add_parser("submit", help="upload the pipeline to a KFP server and start a run (token from KFP_TOKEN)")
+    a = actions.add_parser(
+        "submit",
+        help="upload the pipeline to a KFP server and start a run (token from KFP_TOKEN)",
+        epilog="example: rfsdp pipeline submit --host https://kubeflow.example.com/pipeline --params params.yaml",
+    )
     a.add_argument("--host", required=True, help="KFP API endpoint, e.g. https://kubeflow.example.com/pipeline")
-    a.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help=settable)
+    _add_parameter_options(a)
     a.add_argument("--kfp-experiment", default="resilient-fsdp", help="KFP experiment the run goes into")
     a.add_argument("--namespace", help="KFP profile namespace (multi-user deployments)")
     a.add_argument("--service-account", help="service account of the run's pods (needs deploy/rbac.yaml)")
-    a = actions.add_parser("manifest", help="print the PyTorchJob the train step creates (backend=kubernetes) as YAML")
-    a.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help=settable)
+    a = actions.add_parser(
+        "manifest",
+        help="print the PyTorchJob the train step creates (backend=kubernetes) as YAML",
+        epilog="example: rfsdp pipeline manifest --set nnodes=2 --set gpus=true",
+    )
+    _add_parameter_options(a)
     p.set_defaults(func=_pipeline)
 
     p = sub.add_parser("bench", help="benchmarks against the alternatives (torch.save, dcp.async_save, torchrun restarts)")
