@@ -11,12 +11,14 @@ setup: $(VENV)/.installed
 
 # torch is pinned to 2.13.0: on a CPU machine pip takes the CPU build (a bare `torch` could
 # pull a multi-GB CUDA build); on a GPU machine the same pin resolves to the CUDA build.
+# pip's output goes to .venv/setup.log (shown when it fails): the targets' own output stays readable.
 $(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
-	touch $@
+	@echo "== setting up $(VENV) (a few minutes the first time; pip's output: $(VENV)/setup.log)"
+	@$(PYTHON) -m venv $(VENV)
+	@( $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q torch==2.13.0 \
+		&& $(PY) -m pip install -q -e '.[dev]' ) > $(VENV)/setup.log 2>&1 \
+		|| { tail -n 40 $(VENV)/setup.log; echo "== set-up failed: $(VENV)/setup.log"; exit 1; }
+	@touch $@
 
 # The fast tier: import contracts, unit and contract tests (no multi-process job).
 check: setup

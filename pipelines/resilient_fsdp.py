@@ -37,6 +37,7 @@ from components.runs import PREVIEW_RUN
 from components.runs import check_parameters as check_run_parameters
 from components.train import train
 from components.validate_checkpoint import validate_checkpoint
+from pipelines.local_view import steps_to_log
 from trainer.data import BUILTIN_CORPUS
 from trainer.errors import ParameterError
 from trainer.faults import NODE_KINDS, RANK_KINDS
@@ -52,6 +53,8 @@ PIPELINE_NAME = "resilient-fsdp-training"
 TRAIN = config_defaults()  # the pipeline's defaults are the config's and the launch spec's own
 LAUNCH = LaunchSpec()
 LOCAL_OVERRIDES = {"backend": "local"}
+STEPS_LOG = "steps.log"
+"""The steps' output of a quiet ``run_local``, in its root."""
 """What ``run_local`` sets unless told otherwise (besides a local ``tracking_uri``)."""
 DEFAULT_NAMESPACE = "default"
 """The namespace of a job whose ``job_namespace`` is "" outside a pod (``TrainingClient``'s)."""
@@ -398,7 +401,7 @@ def _keep_pytorchjob(cluster: "Cluster", params: Mapping[str, Any], name: str, r
     return path
 
 
-def run_local(overrides: Mapping[str, Any], root: Path) -> dict[str, Any]:
+def run_local(overrides: Mapping[str, Any], root: Path, *, quiet: bool = False) -> dict[str, Any]:
     """Run the whole pipeline with ``kfp.local`` (SubprocessRunner, this interpreter).
 
     The local overrides come first: ``backend=local`` and the local MLflow store (or
@@ -411,11 +414,15 @@ def run_local(overrides: Mapping[str, Any], root: Path) -> dict[str, Any]:
         overrides: pipeline parameters that differ from the defaults.
         root: working directory: the pipeline root (artifacts), the workspace and the emulated
             cluster live under it.
+        quiet: the steps' own output (kfp.local's executor logs, the ranks' lines) goes to
+            ``root/steps.log``; the terminal shows each step's start and end, the training's
+            progress bar and each fault and recovery (``pipelines.local_view``).
 
     Returns:
         ``training_run``, ``run_dir``, ``metrics`` (the headline figures), ``report`` (path),
-        ``mlflow_run_id``, ``mlflow_url``, ``tracking_uri`` and ``pytorchjob`` (with
-        ``backend=kubernetes``, the path of the job as the API server stored it; else None).
+        ``mlflow_run_id``, ``mlflow_url``, ``tracking_uri``, ``pytorchjob`` (with
+        ``backend=kubernetes``, the path of the job as the API server stored it; else None) and
+        ``log`` (the steps' output when ``quiet``; else None).
 
     Raises:
         ParameterError: a bad parameter, or ``backend=kubernetes`` where the emulated cluster
@@ -438,11 +445,15 @@ def run_local(overrides: Mapping[str, Any], root: Path) -> dict[str, Any]:
     kfp.local.init(
         runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(root.resolve() / "pipeline_root"), raise_on_error=True
     )
+    log = root.resolve() / STEPS_LOG if quiet else None
+    view = steps_to_log(log, workspace, params["steps"]) if log else contextlib.nullcontext()
     try:
-        with _step_env(**{WORKSPACE_ENV: str(workspace)}), _local_cluster(params, root, workspace) as cluster:
+        with view, _step_env(**{WORKSPACE_ENV: str(workspace)}), _local_cluster(params, root, workspace) as cluster:
             task = resilient_fsdp_training(**overrides)
             name = task.outputs["training_run"]
             pytorchjob = _keep_pytorchjob(cluster, params, name, root) if cluster else None
+    except RuntimeError as e:
+        raise RuntimeError(f"{e} (the steps' output: {log})" if log else str(e)) from e
     finally:
         kfp.local.config.LocalExecutionConfig.instance = None  # the next run configures its own
     out = task.outputs
@@ -455,6 +466,7 @@ def run_local(overrides: Mapping[str, Any], root: Path) -> dict[str, Any]:
         "mlflow_url": out["mlflow_url"],
         "tracking_uri": overrides["tracking_uri"],
         "pytorchjob": pytorchjob,
+        "log": log,
     }
 
 
@@ -542,12 +554,11 @@ def print_local_result(result: Mapping[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from trainer.events import EVENTS_FILE
     from trainer.results.summary import print_run_summary
 
     run_dir = Path(result["run_dir"])
     print_run_summary(run_dir)
-    table = Table(title=f"headline of {result['training_run']} (the pipeline's Metrics)")
+    table = Table(title="headline (the pipeline's Metrics)")
     for column in ("figure", "value"):
         table.add_column(column)
     for name, value in sorted(result["metrics"].items()):  # kfp keeps no order
@@ -555,11 +566,15 @@ def print_local_result(result: Mapping[str, Any]) -> None:
     Console().print(table)
     # Plain lines, not a table: paths must not be cut to the terminal's width.
     print(f"run dir:           {run_dir}")
-    print(f"events:            {run_dir / EVENTS_FILE}")
     print(f"report:            {result['report']}")
     print(f"MLflow run id:     {result['mlflow_run_id']}")
     print(f"MLflow run:        {result['mlflow_url']}")
-    print(f"MLflow UI:         mlflow ui --backend-store-uri {result['tracking_uri']}")
+    if result["log"]:
+        print(f"steps' output:     {result['log']}")
     if result["pytorchjob"]:
         print(f"PyTorchJob:        {result['pytorchjob']} (as the emulated API server stored it)")
         print(f"pod logs:          {Path(result['pytorchjob']).parent / 'pods'}")
+    print("next:")
+    print(f"  mlflow ui --backend-store-uri {result['tracking_uri']}   # this run's curves, restarts and checkpoints")
+    print("  make compare   # sync vs async checkpoints, with and without faults, in the comparison notebook")
+    print("  docs/deployment.md   # build the image and start runs from the Kubeflow UI on a cluster")

@@ -440,8 +440,12 @@ def test_run_local_runs_the_whole_pipeline_through_the_emulated_cluster(tmp_path
     assert {(f.kind, f.step, f.rank) for f in select(events, FaultFired)} == {("exception", 3, 1), ("sigkill", 7, 0)}
     assert {r.layer for r in select(events, Restart)} >= {"in_process", "in_job"}
     # Rank 0's progress lines reach the step's log through worker 0's followed log.
-    assert "[Pod e2e-worker-0]: step 12/12" in proc.stdout
-    assert "(in_process): resumed from step" in proc.stdout and "(in_job): resumed from step" in proc.stdout
+    steps_log = (root / "steps.log").read_text()
+    assert "[Pod e2e-worker-0]: step 12/12" in steps_log
+    assert "(in_process): resumed from step" in steps_log and "(in_job): resumed from step" in steps_log
+    # The terminal shows the faults and recoveries from the run's events, as they happen.
+    assert "fault exception at step 3 on rank 1" in proc.stdout and "fault sigkill at step 7 on rank 0" in proc.stdout
+    assert "(in_job): resumed from step" in proc.stdout and "train: success in" in proc.stdout
     latest = json.loads((latest_checkpoint(run) / "manifest.json").read_text())
     assert latest["step"] == 12 and latest["signature"] == manifest_signature(latest, key.encode())
 

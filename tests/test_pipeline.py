@@ -32,7 +32,7 @@ from components.train import train
 from pipelines.resilient_fsdp import PIPELINE_NAME, compile_pipeline, parameter_defaults, run_local, submit
 from trainer.cli import main
 from trainer.errors import ParameterError
-from trainer.events import Restart, RunStart, read_events, select
+from trainer.events import EventLog, FaultFired, Restart, RunStart, read_events, select
 from trainer.faults import FAULT_KINDS
 from trainer.launch import CREDENTIAL_SECRETS, WORKSPACE_ENV, WORKSPACE_MOUNT
 from trainer.launch.spec import resolve_run_name
@@ -508,7 +508,16 @@ def test_run_local_whole_pipeline_with_a_fault(tmp_path: Path) -> None:
     url = executor_output["parameterValues"]["mlflow_url"]
     assert url.endswith(f"/runs/{run_id}") and f"]({url})" in report
     assert "**valid**" in report and "| replays | pass |" in report and "| goodput (%) |" in report
-    assert max(len(line) for line in (proc.stdout + proc.stderr).splitlines()) < 1000, "nothing is printed whole"
+    steps_log = (root / "steps.log").read_text()
+    assert max(len(line) for line in (proc.stdout + proc.stderr + steps_log).splitlines()) < 1000, "nothing is printed whole"
+    # Quiet: the steps' executor logs go to steps.log; the terminal shows each step, the fault and
+    # its recovery as they happen, the tables and what to do next.
+    assert "executor_input" in steps_log and "executor_input" not in proc.stdout + proc.stderr
+    for step in ("check-run", "prepare-data", "train", "validate-checkpoint", "log-to-mlflow"):
+        assert f"{step}: started" in proc.stdout and f"{step}: success in" in proc.stdout
+    assert "fault exception at step 6 on rank 1" in proc.stdout and "restart 1 (in_process): resumed from step" in proc.stdout
+    assert f"steps' output:     {root.resolve() / 'steps.log'}" in proc.stdout and "next:" in proc.stdout
+    assert len((proc.stdout + proc.stderr).splitlines()) <= 60
 
     client = mlflow.MlflowClient(tracking_uri=uri)
     logged = client.get_run(run_id)
@@ -613,3 +622,45 @@ def test_a_ui_run_without_a_tracking_uri_is_refused_by_the_first_step_and_logged
     )
     assert logged.headline == {} and CHECK_STEP in logged.markdown and f"]({logged.mlflow_url})" in logged.markdown
     assert not (tmp_path / "workspace" / name / "run").exists(), "nothing was started"
+
+
+def test_a_quiet_local_run_shows_steps_faults_and_recoveries_and_logs_the_rest(tmp_path: Path) -> None:
+    """`steps_to_log` in a process of its own (it takes over the descriptors): what is written to
+    stdout and stderr, by it and its children, lands in the log; the terminal gets one line per
+    kfp.local step line and per fault and recovery of the run whose events appear, and the bar.
+    An earlier session's events of a resumed run are not shown again.
+    """
+    workspace, log = tmp_path / "workspace", tmp_path / "steps.log"
+    resumed = workspace / "old" / "run"
+    resumed.mkdir(parents=True)
+    EventLog(resumed, 1).emit(FaultFired(kind="sigkill", step=3))
+    script = f"""
+import subprocess, sys, time
+from pathlib import Path
+from pipelines.local_view import steps_to_log
+from trainer.events import EventLog, FaultFired, Restart, Step
+
+with steps_to_log(Path({str(log)!r}), Path({str(workspace)!r}), last_step=8):
+    print("12:00:00.000 - INFO - Executing task \\x1b[96m'train'\\x1b[0m", flush=True)
+    subprocess.run([sys.executable, "-c", "import sys; print('executor_input of a step'); print('a warning', file=sys.stderr)"])
+    run = Path({str(workspace)!r}) / "new" / "run"
+    run.mkdir(parents=True)
+    events = EventLog(run, 0)
+    events.emit(Step(step=1, loss=2.5, step_time_s=0.1, tokens=100))
+    EventLog(run, 1).emit(FaultFired(kind="exception", step=2))
+    time.sleep(0.5)
+    events.emit(Restart(layer="in_process", attempt=1, resumed_from_step=0, lost_steps=1, recovery_s=1.25))
+    events.emit(Step(step=8, loss=2.0, step_time_s=0.1, tokens=100))
+    print("12:00:09.000 - INFO - Task \\x1b[96m'train'\\x1b[0m finished with status \\x1b[92mSUCCESS\\x1b[0m", flush=True)
+print("after")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    shown = proc.stdout.splitlines()
+    assert shown[0] == "train: started" and shown[-1] == "after"
+    assert "fault exception at step 2 on rank 1" in shown
+    assert "restart 1 (in_process): resumed from step 0, 1 steps redone, back 1.2 s after the fault" in shown
+    assert any(line.startswith("train: success in ") for line in shown)
+    assert any("step 8/8  loss 2.0000" in line and "restarts 1" in line for line in shown)  # the bar's last state
+    assert "sigkill" not in proc.stdout and "executor_input" not in proc.stdout + proc.stderr
+    logged = log.read_text()
+    assert "executor_input of a step" in logged and "a warning" in logged and "Executing task" in logged

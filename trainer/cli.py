@@ -179,9 +179,9 @@ def _pipeline(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(pl.pytorchjob_manifest(overrides), sort_keys=False), end="")
     elif args.action == "run-local":
         try:
-            result = pl.run_local(overrides, Path(args.root))
-        except RuntimeError as e:  # a step failed: kfp.local names it, the step's output is above
-            print(f"rfsdp pipeline run-local: a step failed: {e} (log-to-mlflow, above, records the failure)", file=sys.stderr)
+            result = pl.run_local(overrides, Path(args.root), quiet=not args.verbose)
+        except RuntimeError as e:  # a step failed: kfp.local names it, the step's output is in its log
+            print(f"rfsdp pipeline run-local: a step failed: {e}; log-to-mlflow recorded the failure", file=sys.stderr)
             return 1
         pl.print_local_result(result)
     else:
@@ -293,8 +293,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument(
         "--root",
         default="work/pipeline",
-        help="local working directory: pipeline_root/ (every artifact), workspace/ (the shared volume), cluster/ (the emulated cluster)",
+        help="local working directory: pipeline_root/ (every artifact), workspace/ (the shared volume), cluster/ (the emulated cluster), "
+        "steps.log (the steps' output)",
     )
+    a.add_argument("--verbose", action="store_true", help="show the steps' own output (kfp.local's executor logs) instead of steps.log")
     a = actions.add_parser(
         "submit",
         help="upload the pipeline to a KFP server and start a run (token from KFP_TOKEN)",

@@ -72,6 +72,10 @@ class Step(Event):
         """Throughput of this step (NaN for a step of no measurable time)."""
         return self.tokens / self.step_time_s if self.step_time_s > 0 else float("nan")
 
+    def describe(self, last: int, restarts: int) -> str:
+        """One line of progress for a person (``last``: the run's last step)."""
+        return f"step {self.step}/{last}  loss {self.loss:.4f}  {self.tokens_per_s:,.0f} tok/s  restarts {restarts}"
+
 
 @dataclass(frozen=True, kw_only=True)
 class Checkpoint(Event):
@@ -168,6 +172,12 @@ class FaultFired(Event):
     node: int | None = None
     seconds: float | None = None
 
+    def describe(self) -> str:
+        """One line for a person: which fault, where and when."""
+        where = f"node {self.node}" if self.rank < 0 else f"rank {self.rank}"
+        inside = f", in the save's {self.phase} phase" if self.phase else ""
+        return f"fault {self.kind} at step {self.step} on {where}{inside}"
+
 
 @dataclass(frozen=True, kw_only=True)
 class Restart(Event):
@@ -184,6 +194,13 @@ class Restart(Event):
     """From the fault to the first step completed after it."""
     phases: dict[str, float] | None = None
     """Seconds after the fault at which each stage of the recovery ended (rank 0's clock), in order."""
+
+    def describe(self) -> str:
+        """One line for a person: which layer recovered, from where, at what cost."""
+        return (
+            f"restart {self.attempt} ({self.layer}): resumed from step {self.resumed_from_step}, "
+            f"{self.lost_steps} steps redone, back {self.recovery_s:.1f} s after the fault"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -295,11 +312,15 @@ def _parse(text: str) -> Iterator[tuple[int, Event | None]]:
 class EventTail:
     """Follows a run's ``events.jsonl`` as it grows: each :meth:`new` returns the events
     appended since the last call (complete lines only).
+
+    Args:
+        run_dir: the run directory.
+        start: the byte offset to follow from (default: the file's size now).
     """
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, *, start: int | None = None) -> None:
         self.path = Path(run_dir) / EVENTS_FILE
-        self._seen = self.path.stat().st_size if self.path.exists() else 0
+        self._seen = start if start is not None else self.path.stat().st_size if self.path.exists() else 0
 
     def new(self) -> list[Event]:
         """Events completed since the last call (those present at construction are skipped)."""

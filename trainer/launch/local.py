@@ -28,8 +28,9 @@ from typing import IO, Any, Protocol
 from trainer.data.prepare import local_data
 from trainer.data.shards import DataError, load_manifest, verify_shards
 from trainer.errors import FATAL_EXIT_CODE, ParameterError, as_pipeline_parameters
-from trainer.events import EventLog, EventTail, Restart, RunEnd, Step, fatal_error, read_events
+from trainer.events import EventLog, RunEnd, Step, fatal_error, read_events
 from trainer.faults import NodeControl, NodeFault, NodeFaultInjector, parse_fault_spec
+from trainer.launch.progress import TrainingProgress
 from trainer.launch.spec import LaunchSpec
 from trainer.process import die_with_parent
 from trainer.rank.config import TRAJECTORY_FIELDS, Timeouts, TrainConfig
@@ -337,20 +338,7 @@ def _wait_with_progress(
     while ``budget`` lasts (a replica failing beyond it fails the job). After a ``fatal`` event
     of this job nothing is restarted: the job ends with ``FATAL_EXIT_CODE``.
     """
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    tail = EventTail(Path(cfg.run_dir))
-    total = cfg.stop_at_step or cfg.steps
-    columns = [
-        TextColumn("train"),
-        BarColumn(),
-        TextColumn("step {task.completed}/{task.total}"),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-    ]
-    with Progress(*columns, disable=not show, transient=False) as bar:
-        task = bar.add_task("train", total=total, info="")
-        restarts = 0
+    with TrainingProgress(Path(cfg.run_dir), cfg.stop_at_step or cfg.steps, show=show) as progress:
         while True:
             codes = [r.poll() for r in replicas]
             for replica, code in zip(replicas, codes, strict=True):
@@ -366,10 +354,6 @@ def _wait_with_progress(
             time.sleep(0.1)  # node faults fire at the step they name: poll often
             if injector is not None:
                 injector.tick()
-            for e in tail.new():
-                if isinstance(e, Step):
-                    bar.update(task, completed=e.step, info=f"loss {e.loss:.4f}  {e.tokens_per_s:,.0f} tok/s  restarts {restarts}")
-                    if injector is not None:
-                        injector.observe(e.step)
-                elif isinstance(e, Restart):
-                    restarts += 1
+            for e in progress.poll():
+                if isinstance(e, Step) and injector is not None:
+                    injector.observe(e.step)

@@ -132,14 +132,9 @@ class ProgressLines:
         """Print what ``done`` (and the ``restart`` it completed, if any) calls for."""
         if restart is not None:
             self.restarts += 1
-            print(
-                f"restart {restart.attempt} ({restart.layer}): resumed from step {restart.resumed_from_step}, "
-                f"{restart.lost_steps} steps redone, back {restart.recovery_s:.1f} s after the fault", flush=True,
-            )  # fmt: skip
+            print(restart.describe(), flush=True)
         if restart is not None or done.step == self.last or (self.every and done.step % self.every == 0):
-            print(
-                f"step {done.step}/{self.last}  loss {done.loss:.4f}  {done.tokens_per_s:,.0f} tok/s  restarts {self.restarts}", flush=True
-            )
+            print(done.describe(self.last, self.restarts), flush=True)
 
 
 def train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror | None, preemption: Preemption, attempt: Attempt) -> None:
