@@ -92,11 +92,17 @@ class _Watcher:
             chunk = f.read()
         complete = chunk[: chunk.rfind(b"\n") + 1]
         self._log_offset += len(complete)
-        lines = _ANSI.sub("", complete.decode(errors="replace")).splitlines()
-        # Read together, a step's start comes before the events and its end after them.
-        for started in filter(None, map(_STARTED.search, lines)):
-            self._step_started[started[1]] = time.monotonic()
-            self._say(f"{started[1]}: started")
+        for line in _ANSI.sub("", complete.decode(errors="replace")).splitlines():
+            if started := _STARTED.search(line):
+                self._step_started[started[1]] = time.monotonic()
+                self._say(f"{started[1]}: started")
+            elif ended := _ENDED.search(line):
+                self._poll_events()  # what the step wrote comes before its end
+                seconds = time.monotonic() - self._step_started.get(ended[1], time.monotonic())
+                self._say(f"{ended[1]}: {ended[2].lower()} in {seconds:.0f} s")
+        self._poll_events()
+
+    def _poll_events(self) -> None:
         if self._progress is None:
             for events in self.workspace.glob(f"*/run/{EVENTS_FILE}"):
                 if events.stat().st_size > self._known.get(events, 0):
@@ -105,6 +111,3 @@ class _Watcher:
                     break
         if self._progress is not None:
             self._progress.poll()
-        for ended in filter(None, map(_ENDED.search, lines)):
-            seconds = time.monotonic() - self._step_started.get(ended[1], time.monotonic())
-            self._say(f"{ended[1]}: {ended[2].lower()} in {seconds:.0f} s")
