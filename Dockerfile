@@ -1,5 +1,5 @@
 # The one image every pipeline step and every PyTorchJob worker runs:
-#   docker build -t ghcr.io/resilient-fsdp/resilient-fsdp:0.1.0 .
+#   docker build --build-arg GIT_COMMIT=$(git rev-parse HEAD) -t ghcr.io/resilient-fsdp/resilient-fsdp:0.1.0 .
 # and pass it to the pipeline as `image` (rfsdp pipeline submit --set image=...).
 FROM python:3.11-slim
 
@@ -30,6 +30,9 @@ RUN pip install . \
 
 USER 1000:1000
 ENV HOME=/home/rfsdp
+# The revision MLflow runs are tagged with: docker build --build-arg GIT_COMMIT=$(git rev-parse HEAD) ...
+ARG GIT_COMMIT=""
+ENV RFSDP_GIT_COMMIT=${GIT_COMMIT}
 
 # KFP runs the components' own command; a bare `docker run` shows the CLI.
 CMD ["rfsdp", "--help"]

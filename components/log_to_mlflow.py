@@ -15,6 +15,7 @@ def log_to_mlflow(
     experiment: str,
     pipeline_job: str,
     pipeline_job_id: str,
+    image: str,
     metrics: Output[Metrics],
     report: Output[Markdown],
 ) -> NamedTuple("Logged", [("mlflow_run_id", str), ("mlflow_url", str), ("training_run", str)]):
@@ -28,6 +29,7 @@ def log_to_mlflow(
         experiment: MLflow experiment name.
         pipeline_job: the KFP run's job name (a tag).
         pipeline_job_id: the KFP run's id (a tag).
+        image: the image the steps and workers ran (a tag).
         metrics: the headline figures (goodput, restarts, recovery, checkpoint stall and overhead, loss, verdict).
         report: the run summary, the validation table and the MLflow run's URL.
 
@@ -47,6 +49,7 @@ def log_to_mlflow(
         experiment=experiment,
         pipeline_job=pipeline_job,
         pipeline_job_id=pipeline_job_id,
+        image=image,
     )
     for name, value in logged.headline.items():
         metrics.log_metric(name, value)

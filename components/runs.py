@@ -166,6 +166,7 @@ def log_pipeline_run(
     experiment: str,
     pipeline_job: str,
     pipeline_job_id: str,
+    image: str,
 ) -> PipelineRunLog:
     """Log a pipeline run to MLflow however it ended (the exit handler's work).
 
@@ -183,6 +184,7 @@ def log_pipeline_run(
         experiment: MLflow experiment.
         pipeline_job: the KFP run's job name.
         pipeline_job_id: the KFP run's id.
+        image: the image the steps and workers ran (a tag).
 
     Returns:
         The training run's name, the MLflow run's id and URL, the headline figures, and the run's
@@ -214,7 +216,7 @@ def log_pipeline_run(
     if failure is None and state != "SUCCEEDED":  # a step that could not record (killed, or its pod never ran)
         failure = {"step": "unknown", "reason": error_message or f"the pipeline run ended {state}"}
     failed = Failure(failure["step"], failure["reason"]) if failure else None
-    tags = {"training_run": name, "backend": backend, "kfp_pipeline_job": pipeline_job, "kfp_run_id": pipeline_job_id}
+    tags = {"training_run": name, "backend": backend, "kfp_pipeline_job": pipeline_job, "kfp_run_id": pipeline_job_id, "image": image}
     run_dir = run_root(name) / "run"
     started = (run_dir / EVENTS_FILE).is_file() and not (failed and failed.step in BEFORE_TRAINING)
     events = read_events(run_dir) if started else []

@@ -146,7 +146,7 @@ def resilient_fsdp_training(
     """
     kfp_run = {"pipeline_job": dsl.PIPELINE_JOB_NAME_PLACEHOLDER, "pipeline_job_id": dsl.PIPELINE_JOB_ID_PLACEHOLDER}
     logged = log_to_mlflow(
-        training_run=training_run, backend=backend, tracking_uri=tracking_uri, experiment=experiment, **kfp_run
+        training_run=training_run, backend=backend, tracking_uri=tracking_uri, experiment=experiment, image=image, **kfp_run
     ).set_display_name("log to MLflow")
     with dsl.ExitHandler(logged, name="run"):
         checked = check_run(

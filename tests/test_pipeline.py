@@ -616,9 +616,14 @@ def test_a_ui_run_without_a_tracking_uri_is_refused_by_the_first_step_and_logged
         experiment="ui",
         pipeline_job=params["pipeline_job"],
         pipeline_job_id="kfp-1",
+        image="registry.example/resilient-fsdp:0.1.0",
     )
     run = mlflow.MlflowClient(tracking_uri=uri).get_run(logged.mlflow_run_id)
     assert run.info.status == "FAILED" and run.data.tags[FAILED_STEP_TAG] == CHECK_STEP
+    # What ran: the KFP run, the image, the code's version and commit (this checkout's HEAD).
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+    assert run.data.tags["kfp_run_id"] == "kfp-1" and run.data.tags["image"] == "registry.example/resilient-fsdp:0.1.0"
+    assert run.data.tags.get("mlflow.source.git.commit") == (head or None) and run.data.tags["rfsdp.version"] == "0.1.0"
     assert (
         run.data.tags[FAILURE_REASON_TAG] == "ParameterError: fault: exception@5:0 and sigkill@5:1 are both at step 5: one fault per step"
     )

@@ -295,3 +295,14 @@ def test_a_tracking_server_that_is_down_costs_the_training_nothing(data_dir: Pat
     proc = rfsdp("train", "--quiet", "--data", str(data_dir), "--run-dir", str(run), "--steps", "20", "--tracking-uri", down)
     assert proc.returncode == 0 and "not logged to MLflow" in proc.stderr and down in proc.stderr, proc.stderr
     assert max(e.step for e in read_events(run) if isinstance(e, Step)) == 20  # and log-mlflow can log it later
+
+
+def test_runs_are_tagged_with_the_code_that_logged_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An image's build argument names the commit; a checkout's HEAD does where there is none."""
+    from trainer.results.tracking import GIT_COMMIT_ENV, GIT_COMMIT_TAG, VERSION_TAG, source_tags
+
+    monkeypatch.setenv(GIT_COMMIT_ENV, "0123abc")
+    assert source_tags() == {VERSION_TAG: "0.1.0", GIT_COMMIT_TAG: "0123abc"}
+    monkeypatch.delenv(GIT_COMMIT_ENV)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+    assert source_tags().get(GIT_COMMIT_TAG) == (head or None)

@@ -64,6 +64,11 @@ FAILURE_REASON_TAG = "rfsdp.failure_reason"
 """Tag holding why that step failed."""
 ATTEMPT_TAG = "rfsdp.kfp_run"
 """Tag identifying a pipeline run that failed before training wrote any event."""
+GIT_COMMIT_TAG = "mlflow.source.git.commit"
+"""MLflow's own tag for the source revision (its UI shows it with the run)."""
+VERSION_TAG = "rfsdp.version"
+GIT_COMMIT_ENV = "RFSDP_GIT_COMMIT"
+"""The revision an image was built from (the Dockerfile's ``GIT_COMMIT`` build argument)."""
 _TAG_MAX = 5000  # MLflow's limit of a tag value (SQL stores)
 _STORE_SCHEMES = ("http", "https", "sqlite", "file", "databricks", "postgresql", "mysql", "mssql")
 # Config fields that describe one invocation rather than the run (a resumed run may differ).
@@ -186,6 +191,25 @@ def project_dir(start: Path | None = None) -> Path:
     """The nearest directory at or above ``start`` (default: cwd) holding a ``pyproject.toml``."""
     here = (start or Path.cwd()).resolve()
     return next((d for d in (here, *here.parents) if (d / "pyproject.toml").is_file()), here)
+
+
+def source_tags() -> dict[str, str]:
+    """What code logged a run: this package's version and the git commit it was built from
+    (``RFSDP_GIT_COMMIT`` in an image, else the checkout the package runs from, if any).
+    """
+    import subprocess
+    from importlib.metadata import version
+
+    commit = os.environ.get(GIT_COMMIT_ENV, "")
+    if not commit:
+        source = Path(__file__).resolve().parents[2]  # the checkout of an editable install
+        try:
+            commit = subprocess.run(
+                ["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            commit = ""
+    return {VERSION_TAG: version("resilient-fsdp"), **({GIT_COMMIT_TAG: commit} if commit else {})}
 
 
 def default_tracking_uri() -> str:
@@ -428,7 +452,7 @@ def log_failed_attempt(
         found = client.search_runs([experiment_id], filter_string=f"tags.`{ATTEMPT_TAG}` = '{attempt}'", max_results=1)
         run_id = found[0].info.run_id if found else client.create_run(experiment_id, run_name=run_name).info.run_id
         logged = found[0].data.params if found else {}
-        run_tags = {**(tags or {}), ATTEMPT_TAG: attempt, **_failure_tags(failure)}
+        run_tags = {**source_tags(), **(tags or {}), ATTEMPT_TAG: attempt, **_failure_tags(failure)}
         client.log_batch(
             run_id,
             params=[Param(k, v) for k, v in (params or {}).items() if k not in logged],
@@ -471,7 +495,7 @@ def _log(
     client = _client(uri)
     experiment_id = _experiment_id(client, uri, experiment)
     found = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{key}'", max_results=2)
-    run_tags = {**tags, RUN_KEY_TAG: key, "rfsdp.run_dir": str(run_dir.resolve())}
+    run_tags = {**source_tags(), **tags, RUN_KEY_TAG: key, "rfsdp.run_dir": str(run_dir.resolve())}
     if validation is not None and "valid" in validation:
         run_tags["rfsdp.valid"] = str(validation["valid"]).lower()
     if failure is not None:
@@ -602,7 +626,8 @@ class LiveLogger:
             else:
                 start = int(self._waiting[0].time * 1000)
                 self.run_id = client.create_run(experiment_id, start_time=start, run_name=self.run_dir.name).info.run_id
-                client.log_batch(self.run_id, tags=[RunTag(RUN_KEY_TAG, key), RunTag("rfsdp.run_dir", str(self.run_dir.resolve()))])
+                run_tags = {**source_tags(), RUN_KEY_TAG: key, "rfsdp.run_dir": str(self.run_dir.resolve())}
+                client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in run_tags.items()])
         metrics = [Metric(k, v, ts, step) for k, v, ts, step in points]
         for i in range(0, len(metrics), _MAX_BATCH):
             client.log_batch(self.run_id, metrics=metrics[i : i + _MAX_BATCH])
