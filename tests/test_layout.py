@@ -60,9 +60,9 @@ def paths_above(root: Path, name: str, text: str) -> list[str]:
 
 
 def test_no_tracked_file_refers_to_a_path_above_the_repository() -> None:
-    """A user's clone has nothing beside it (no ../shared): everything the code, tests and docs
-    name lives in the repository."""
-    assert paths_above(ROOT, "tests/test_k8s.py", 'CRD = ROOT / "../shared/schemas/pytorchjob.yaml"')  # it would catch this
+    """A user's clone has no folder beside it: everything the code, tests and docs name lives in
+    the repository."""
+    assert paths_above(ROOT, "tests/test_k8s.py", 'CRD = ROOT / "../beside-the-clone/pytorchjob.yaml"')  # it would catch this
     assert not paths_above(ROOT, "docs/events.md", "[back](../README.md), a/../../b")
     names = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     offenders = []
