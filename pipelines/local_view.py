@@ -35,9 +35,9 @@ def steps_to_log(log: Path, workspace: Path, last_step: int) -> Iterator[None]:
     saved = os.dup(1), os.dup(2)
     terminal = os.fdopen(os.dup(1), "w", buffering=1)
     with open(log, "ab") as f:
+        watcher = _Watcher(log, workspace, last_step, terminal)  # before the switch: it reads where the log ends
         os.dup2(f.fileno(), 1)
         os.dup2(f.fileno(), 2)
-    watcher = _Watcher(log, workspace, last_step, terminal)
     try:
         watcher.start()
         yield

@@ -53,9 +53,9 @@ PIPELINE_NAME = "resilient-fsdp-training"
 TRAIN = config_defaults()  # the pipeline's defaults are the config's and the launch spec's own
 LAUNCH = LaunchSpec()
 LOCAL_OVERRIDES = {"backend": "local"}
+"""What ``run_local`` sets unless told otherwise (besides a local ``tracking_uri``)."""
 STEPS_LOG = "steps.log"
 """The steps' output of a quiet ``run_local``, in its root."""
-"""What ``run_local`` sets unless told otherwise (besides a local ``tracking_uri``)."""
 DEFAULT_NAMESPACE = "default"
 """The namespace of a job whose ``job_namespace`` is "" outside a pod (``TrainingClient``'s)."""
 

@@ -201,8 +201,8 @@ def source_tags() -> dict[str, str]:
     from importlib.metadata import version
 
     commit = os.environ.get(GIT_COMMIT_ENV, "")
-    if not commit:
-        source = Path(__file__).resolve().parents[2]  # the checkout of an editable install
+    source = Path(__file__).resolve().parents[2]  # the checkout of an editable install, else site-packages
+    if not commit and (source / ".git").exists():  # not a repository that merely holds a venv
         try:
             commit = subprocess.run(
                 ["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
