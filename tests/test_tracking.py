@@ -17,7 +17,7 @@ from mlflow import MlflowClient
 
 from tests.conftest import ROOT, MlflowServer, rfsdp
 from trainer.errors import ParameterError
-from trainer.events import Checkpoint, Restart, RunEnd, Step, from_record, read_events, summarize
+from trainer.events import Checkpoint, Restart, RunEnd, Step, SystemSample, from_record, read_events, summarize
 from trainer.results.summary import VERDICT, headline_metrics
 from trainer.results.tracking import (
     EVENTS_HASH_TAG,
@@ -256,10 +256,13 @@ def test_malformed_tracking_uris_are_refused(uri: str, problem: str) -> None:
 
 @pytest.mark.slow
 def test_mlflow_follows_a_run_while_it_trains(data_dir: Path, mlflow_server: MlflowServer, tmp_path: Path) -> None:
-    """``rfsdp train --tracking-uri``: the run's loss curve is in MLflow (RUNNING) while it trains;
-    preempted, the same MLflow run is completed, every step once."""
+    """``rfsdp train --tracking-uri``: the run's loss curve and each node's system metrics are in
+    MLflow (RUNNING) while it trains; preempted, the same MLflow run is completed, every step and
+    every system sample once."""
     run = tmp_path / "run"
     cmd = ["train", "--quiet", "--data", str(data_dir), "--run-dir", str(run), "--steps", "2000", "--tracking-uri", mlflow_server.uri]
+    cmd += ["--nnodes", "2", "--nproc-per-node", "1", "--system-metrics-every", "1"]
+    cpu = [f"system/node_{n}/cpu_utilization_percentage" for n in (0, 1)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "trainer.cli", *cmd, "--experiment", "live"],
         cwd=ROOT,
@@ -272,7 +275,7 @@ def test_mlflow_follows_a_run_while_it_trains(data_dir: Path, mlflow_server: Mlf
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         experiment = client.get_experiment_by_name("live")
         runs = client.search_runs([experiment.experiment_id]) if experiment else []
-        if runs and client.get_metric_history(runs[0].info.run_id, "loss"):
+        if runs and all(client.get_metric_history(runs[0].info.run_id, key) for key in ("loss", *cpu)):
             seen = runs[0]
         time.sleep(0.5)
     assert seen.info.status == "RUNNING"
@@ -283,6 +286,10 @@ def test_mlflow_follows_a_run_while_it_trains(data_dir: Path, mlflow_server: Mlf
     final = client.get_run(seen.info.run_id)
     assert final.info.status == "FINISHED" and final.data.tags["rfsdp.run_key"]
     assert sorted(m.step for m in client.get_metric_history(seen.info.run_id, "loss")) == list(range(1, end.step + 1))
+    samples = [e for e in read_events(run) if isinstance(e, SystemSample)]
+    for node, key in enumerate(cpu):  # logged live and again at the end: one point per sample
+        history = client.get_metric_history(seen.info.run_id, key)
+        assert sorted(m.timestamp for m in history) == sorted(int(e.time * 1000) for e in samples if e.node == node)
     assert len(client.search_runs([seen.info.experiment_id])) == 1
 
 

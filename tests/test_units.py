@@ -47,6 +47,8 @@ def cfg(**kw) -> TrainConfig:
         ({"grace_period": 1.0}, "--grace-period: must be at least 5 s"),
         ({"fault": "exception@10:1,sigkill@10:0"}, "--fault: exception@10:1 and sigkill@10:0 are both at step 10: one fault per step"),
         ({"log_every": -1}, "--log-every: must be at least 0"),
+        ({"system_metrics_every": 0.5}, "--system-metrics-every: must be 0 \\(off\\) or at least 1 s, got 0.5"),
+        ({"system_metrics_every": -1.0}, "--system-metrics-every"),
     ],
 )
 def test_bad_config_names_the_parameter(kw: dict, names: str) -> None:

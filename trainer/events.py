@@ -228,10 +228,24 @@ class Fatal(Event):
     job: str
 
 
+@dataclass(frozen=True, kw_only=True)
+class SystemSample(Event):
+    """What one node's machine was doing (``--system-metrics-every``), written by the node's first
+    local rank: utilisation and memory, per GPU where NVML sees GPUs.
+    """
+
+    KIND: ClassVar[str] = "system"
+    node: int
+    """The node (replica) rank: ``GROUP_RANK`` of the launcher."""
+    metrics: dict[str, float]
+    """Named as MLflow's own system metrics (``cpu_utilization_percentage``, ``gpu_0_memory_usage_megabytes``)."""
+
+
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.KIND: cls
     for cls in (
         RunStart, Step, Checkpoint, CheckpointFailed, Mirror, MirrorFailed, MirrorRestore, RunWarning, FaultFired, Restart, Fatal, RunEnd,
+        SystemSample,
     )
 }  # fmt: skip
 E = TypeVar("E", bound=Event)

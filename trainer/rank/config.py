@@ -95,6 +95,9 @@ class TrainConfig:
     log_every: int = 10
     """Rank 0 prints a progress line (step, loss, tokens/s, restarts) every this many steps and at
     every restart, for ``kubectl logs`` and the train step's log (0: only at restarts and the end)."""
+    system_metrics_every: float = 0.0
+    """Seconds between samples of each node's CPU, memory, /dev/shm, network and GPU use, written as
+    ``system`` events and logged to MLflow as system/node_<N>/... (0: off)."""
     faults: list = field(default_factory=list, repr=False)
     """Parsed ``fault`` (derived)."""
 
@@ -122,6 +125,8 @@ class TrainConfig:
                 raise ParameterError(name, f"out of range: {getattr(self, name)}")
         if self.grace_period < 5:
             raise ParameterError("grace_period", f"must be at least 5 s, got {self.grace_period}")
+        if self.system_metrics_every and self.system_metrics_every < 1:
+            raise ParameterError("system_metrics_every", f"must be 0 (off) or at least 1 s, got {self.system_metrics_every}")
         if self.hang_timeout < 5:
             raise ParameterError("hang_timeout", f"must be at least 5 s, got {self.hang_timeout}")
         self.faults = parse_fault_spec(self.fault, steps=self.steps, world_size=self.world_size)

@@ -46,6 +46,7 @@ from trainer.process import die_with_parent, process_start_time
 from trainer.rank.config import Timeouts, TrainConfig, add_train_arguments
 from trainer.rank.resilience import AsyncCheckpointWriter, Attempt, RankMonitor, make_store, run_restartable
 from trainer.rank.runtime import build_fsdp_model, detect_runtime, init_process_group, rng_state, set_rng_state
+from trainer.rank.system import start_system_sampler
 from trainer.storage.mirror import CheckpointMirror
 
 IMPORTED_AT = time.time()  # a recovery's timeline: a new process has paid its imports by now
@@ -258,6 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     mirror = CheckpointMirror(cfg.checkpoint_uri, Path(cfg.run_dir), keep_last=cfg.keep_last) if primary else None
     preemption = Preemption()
     preemption.install()
+    start_system_sampler(Path(cfg.run_dir), cfg.system_metrics_every)  # per process: it outlives in-process restarts
     try:
         if cfg.inprocess_restart:
             timeouts = Timeouts(cfg.hang_timeout, True)

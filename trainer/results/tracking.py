@@ -37,6 +37,7 @@ from trainer.events import (
     Restart,
     RunStart,
     Step,
+    SystemSample,
     first_run_start_line,
     read_events,
     restarts_with_faults,
@@ -125,7 +126,9 @@ def checkpoint_table(events: list[Event]) -> dict[str, list]:
     }
 
 
-def metric_points(events: list[Event], *, totals: bool = True, done_before: int = 0) -> list[tuple[str, float, int, int]]:
+def metric_points(
+    events: list[Event], *, totals: bool = True, done_before: int = 0, origin: float | None = None
+) -> list[tuple[str, float, int, int]]:
     """Every metric point of a run as ``(key, value, timestamp_ms, step)``, deterministic.
 
     Timestamps are the events' own times, so logging the same events twice yields identical
@@ -135,9 +138,12 @@ def metric_points(events: list[Event], *, totals: bool = True, done_before: int 
     the time of the last event. A step done again after a recovery also gets a ``redone_step``
     point (1.0) at its step. Without ``totals`` (a part of the log, while the run goes on) the
     points that need the whole log are left out: fault points and the summary; ``done_before``
-    is then the highest step of the part before.
+    is then the highest step of the part before, and ``origin`` the time of the run's first event.
+    System samples are ``system/node_<N>/<name>`` points (MLflow's layout for several nodes) at
+    the whole seconds since ``origin`` (default: the first event's time).
     """
     points: list[tuple[str, float, int, int]] = []
+    origin = events[0].time if origin is None and events else origin
     n_faults = 0
     for e in events:
         ts = int(e.time * 1000)
@@ -160,6 +166,8 @@ def metric_points(events: list[Event], *, totals: bool = True, done_before: int 
             for key, value in (("recovery_s", e.recovery_s), ("lost_steps", e.lost_steps), ("resumed_from_step", e.resumed_from_step)):
                 points.append((f"restart_{key}", value, ts, e.attempt))
             points.append((f"restart_{e.layer}_recovery_s", e.recovery_s, ts, e.attempt))
+        elif isinstance(e, SystemSample):
+            points += [(f"system/node_{e.node}/{k}", v, ts, int(e.time - origin)) for k, v in e.metrics.items()]
     if events and totals:
         end = int(events[-1].time * 1000)
         points += [(k, float(v), end, 0) for k, v in summarize(events).items() if v is not None]
@@ -565,15 +573,34 @@ class LiveLogger:
     MLflow run is the one :func:`log_run` finds again by the run dir's identity, shown RUNNING
     until ``log_run`` completes it. It never blocks or fails the training: while the server is
     unreachable, the points wait for the next attempt (``error`` says why).
+
+    Args:
+        run_dir: the run being trained.
+        tracking_uri: where to log (see :func:`resolve_tracking_uri`).
+        experiment: the MLflow experiment.
+        interval_s: seconds between loggings.
+        run_name: the MLflow run's name if this creates it (default: the run dir's name), as
+            :func:`log_run` would name it.
+        tags: extra tags of a run this creates (the pipeline's KFP run, image, backend).
     """
 
     def __init__(
-        self, run_dir: Path, *, tracking_uri: str | None = None, experiment: str = DEFAULT_EXPERIMENT, interval_s: float = 5.0
+        self,
+        run_dir: Path,
+        *,
+        tracking_uri: str | None = None,
+        experiment: str = DEFAULT_EXPERIMENT,
+        interval_s: float = 5.0,
+        run_name: str | None = None,
+        tags: dict[str, str] | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.uri = resolve_tracking_uri(tracking_uri)
         self.experiment = experiment
         self.interval_s = interval_s
+        self.run_name = run_name or self.run_dir.name
+        self.tags = tags or {}
+        self._origin: float | None = None  # the run's first event: system points' steps count from it
         self.run_id: str | None = None
         self.error: str | None = None
         self._tail = EventTail(self.run_dir)
@@ -610,7 +637,9 @@ class LiveLogger:
     def _flush(self) -> None:
         from mlflow.entities import Metric, RunTag
 
-        points = metric_points(self._waiting, totals=False, done_before=self._done_before)
+        if self._origin is None and self._waiting:
+            self._origin = self._waiting[0].time
+        points = metric_points(self._waiting, totals=False, done_before=self._done_before, origin=self._origin)
         if not points:
             self._waiting = []
             return
@@ -625,8 +654,8 @@ class LiveLogger:
                 self.run_id = found[0].info.run_id
             else:
                 start = int(self._waiting[0].time * 1000)
-                self.run_id = client.create_run(experiment_id, start_time=start, run_name=self.run_dir.name).info.run_id
-                run_tags = {**source_tags(), RUN_KEY_TAG: key, "rfsdp.run_dir": str(self.run_dir.resolve())}
+                self.run_id = client.create_run(experiment_id, start_time=start, run_name=self.run_name).info.run_id
+                run_tags = {**source_tags(), **self.tags, RUN_KEY_TAG: key, "rfsdp.run_dir": str(self.run_dir.resolve())}
                 client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in run_tags.items()])
         metrics = [Metric(k, v, ts, step) for k, v, ts, step in points]
         for i in range(0, len(metrics), _MAX_BATCH):
