@@ -17,6 +17,7 @@ def check_run(
     seed: int,
     hang_timeout: float,
     grace_period: float,
+    system_metrics_every: float,
     backend: str,
     training_run: str,
     image: str,

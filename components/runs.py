@@ -146,6 +146,73 @@ def _write(name: str, file: str, record: dict) -> None:
     atomic_write_text(root / file, json.dumps(record, indent=1))
 
 
+def mlflow_run_name(training_run: str, pipeline_job: str) -> str:
+    """What the MLflow run is called: the training run and the KFP run that started it (a derived
+    training run's name is a digest; the KFP run's is the one a person knows from the UI).
+    """
+    return f"{training_run} @ {pipeline_job}" if pipeline_job else training_run
+
+
+def mlflow_run_tags(training_run: str, *, backend: str, pipeline_job: str, pipeline_job_id: str, image: str) -> dict[str, str]:
+    """The tags a pipeline run puts on its MLflow run (while it trains and when it is logged)."""
+    return {
+        "training_run": training_run,
+        "backend": backend,
+        "kfp_pipeline_job": pipeline_job,
+        "kfp_run_id": pipeline_job_id,
+        "image": image,
+    }
+
+
+def tracking_uri_of(tracking_uri: str) -> str:
+    """The pipeline's tracking URI: the parameter, else ``MLFLOW_TRACKING_URI`` (the MLflow secret on a cluster); "" neither."""
+    import os
+
+    return tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+
+
+@contextlib.contextmanager
+def live_tracking(
+    run_dir: Path,
+    *,
+    tracking_uri: str,
+    experiment: str,
+    training_run: str,
+    backend: str,
+    pipeline_job: str,
+    pipeline_job_id: str,
+    image: str,
+) -> Iterator[None]:
+    """Inside, MLflow follows the run as it trains: the run the exit handler completes later,
+    under the same name and tags. A tracking server that is down costs the training nothing.
+
+    Args:
+        run_dir: the run dir (on this step's view of the shared volume).
+        tracking_uri: the pipeline parameter ("" = ``MLFLOW_TRACKING_URI``, else the local store).
+        experiment: MLflow experiment.
+        training_run: the training run's name.
+        backend: where the train step runs the job.
+        pipeline_job: the KFP run's job name.
+        pipeline_job_id: the KFP run's id.
+        image: the image the steps and workers run.
+    """
+    from trainer.results.tracking import LiveLogger
+
+    live = LiveLogger(
+        run_dir,
+        tracking_uri=tracking_uri_of(tracking_uri) or None,
+        experiment=experiment,
+        run_name=mlflow_run_name(training_run, pipeline_job),
+        tags=mlflow_run_tags(training_run, backend=backend, pipeline_job=pipeline_job, pipeline_job_id=pipeline_job_id, image=image),
+    ).start()
+    try:
+        yield
+    finally:
+        live.close()
+        if live.error:
+            print(f"MLflow did not follow the training ({live.error}); the exit handler logs the whole run")
+
+
 class PipelineRunLog(NamedTuple):
     """What the exit handler logged and shows."""
 
@@ -194,15 +261,13 @@ def log_pipeline_run(
         ParameterError: a kubernetes run with no tracking URI (nothing is logged to a pod-local file).
         TrackingError: the tracking store failed.
     """
-    import os
-
     from trainer.errors import ParameterError
     from trainer.events import EVENTS_FILE, read_events
     from trainer.launch.spec import resolve_run_name
     from trainer.results.summary import headline_metrics, run_report
     from trainer.results.tracking import Failure, log_failed_attempt, log_run, resolve_tracking_uri, run_url
 
-    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+    uri = tracking_uri_of(tracking_uri)
     if not uri and backend == "kubernetes":
         raise ParameterError(
             "tracking_uri", "no MLflow tracking URI (parameter or the rfsdp-mlflow secret): the run is not logged", style="parameter"
@@ -216,15 +281,16 @@ def log_pipeline_run(
     if failure is None and state != "SUCCEEDED":  # a step that could not record (killed, or its pod never ran)
         failure = {"step": "unknown", "reason": error_message or f"the pipeline run ended {state}"}
     failed = Failure(failure["step"], failure["reason"]) if failure else None
-    tags = {"training_run": name, "backend": backend, "kfp_pipeline_job": pipeline_job, "kfp_run_id": pipeline_job_id, "image": image}
+    tags = mlflow_run_tags(name, backend=backend, pipeline_job=pipeline_job, pipeline_job_id=pipeline_job_id, image=image)
+    run_name = mlflow_run_name(name, pipeline_job)
     run_dir = run_root(name) / "run"
     started = (run_dir / EVENTS_FILE).is_file() and not (failed and failed.step in BEFORE_TRAINING)
     events = read_events(run_dir) if started else []
     if started:
         report = validation["report"] if validation else None
-        run_id = log_run(run_dir, tracking_uri=uri, experiment=experiment, tags=tags, validation=report, failure=failed, run_name=name)
+        run_id = log_run(run_dir, tracking_uri=uri, experiment=experiment, tags=tags, validation=report, failure=failed, run_name=run_name)
     else:
-        run_id = log_failed_attempt(pipeline_job_id, failed, tracking_uri=uri, experiment=experiment, tags=tags, run_name=name)
+        run_id = log_failed_attempt(pipeline_job_id, failed, tracking_uri=uri, experiment=experiment, tags=tags, run_name=run_name)
     url = run_url(uri, run_id)
     headline = headline_metrics(events, validation["report"]["valid"] if validation else None)
     markdown = run_report(

@@ -20,6 +20,7 @@ def train(
     seed: int,
     hang_timeout: float,
     grace_period: float,
+    system_metrics_every: float,
     checkpoint_uri: str,
     backend: str,
     training_run: str,
@@ -29,6 +30,9 @@ def train(
     gpus: bool,
     cpu: str,
     memory: str,
+    tracking_uri: str,
+    experiment: str,
+    pipeline_job: str,
     pipeline_job_id: str,
 ) -> None:
     """Run resilient FSDP training: one worker command (ft_launcher + trainer) per replica.
@@ -38,7 +42,7 @@ def train(
     ``backend=local`` runs one ft_launcher per replica as local processes with the environment
     the training operator injects; ``backend=kubernetes`` runs the same command in a PyTorchJob.
     Every parameter is checked before any process or job starts; a failure is recorded for the
-    exit handler.
+    exit handler. While the job trains, MLflow follows it (the run the exit handler completes).
 
     Args:
         data: the prepared data set.
@@ -56,6 +60,7 @@ def train(
         seed: seed.
         hang_timeout: seconds without a heartbeat before a rank counts as hung.
         grace_period: seconds a preempted worker has to checkpoint and exit (the pods' grace period is this + 15).
+        system_metrics_every: seconds between each node's system samples (0 off).
         checkpoint_uri: remote location durable checkpoints are mirrored to ("" none).
         backend: ``local`` or ``kubernetes``.
         training_run: the training run's name (the check step's output): the PyTorchJob and the
@@ -66,6 +71,9 @@ def train(
         gpus: one GPU per process (kubernetes).
         cpu: CPU per worker (kubernetes).
         memory: memory per worker (kubernetes).
+        tracking_uri: MLflow tracking URI ("" = ``MLFLOW_TRACKING_URI``, else the local store).
+        experiment: MLflow experiment.
+        pipeline_job: the KFP run's job name (names the MLflow run).
         pipeline_job_id: the KFP run (tags the failure record).
     """
     params = dict(locals())  # the parameters, taken before anything else is defined here
@@ -75,7 +83,7 @@ def train(
     import signal
     from pathlib import Path
 
-    from components.runs import TRAIN_STEP, recorded, run_descriptor, run_root
+    from components.runs import TRAIN_STEP, live_tracking, recorded, run_descriptor, run_root
     from trainer.errors import ParameterError, as_pipeline_parameters
     from trainer.launch.local import BACKENDS, check_run_dir, hold_run_dir, job_from_parameters, launch_local
 
@@ -83,12 +91,17 @@ def train(
         raise KeyboardInterrupt  # KFP cancels a step with SIGTERM: stop the processes / delete the job
 
     signal.signal(signal.SIGTERM, cancelled)
+    tracking = {
+        "tracking_uri": tracking_uri, "experiment": experiment, "training_run": training_run, "backend": backend,
+        "pipeline_job": pipeline_job, "pipeline_job_id": pipeline_job_id, "image": image,
+    }  # fmt: skip
     with recorded(training_run, pipeline_job_id, TRAIN_STEP), as_pipeline_parameters():  # a refusal names the parameter, not the flag
         if backend not in BACKENDS:
             raise ParameterError("backend", f"{backend!r} is not one of {', '.join(BACKENDS)}", style="parameter")
         if backend == "local":
             cfg, spec = job_from_parameters(params, data=data.path, run_dir=str(run_root(training_run) / "run"))
-            code = launch_local(cfg, spec, progress=False)
+            with live_tracking(Path(cfg.run_dir), **tracking):
+                code = launch_local(cfg, spec, progress=False)
             if code:
                 for log in sorted((Path(cfg.run_dir) / "logs").glob("*.log")):
                     print(f"--- {log.name} (last lines)\n" + "\n".join(log.read_text(errors="replace").splitlines()[-30:]))
@@ -105,7 +118,8 @@ def train(
             job = build_pytorchjob(job_cfg, spec, cluster_options(params))
             cfg = dataclasses.replace(job_cfg, data=str(run_root(training_run) / "data"), run_dir=str(run_root(training_run) / "run"))
             check_run_dir(cfg)  # a rerun under the same training_run must be the same training config
-            with hold_run_dir(Path(cfg.run_dir)):  # a second run under this name is refused while this one lives
+            # A second run under this name is refused while this one lives.
+            with hold_run_dir(Path(cfg.run_dir)), live_tracking(Path(cfg.run_dir), **tracking):
                 shutil.copytree(data.path, cfg.data, dirs_exist_ok=True)
                 run_pytorchjob(job)
 

@@ -100,6 +100,7 @@ def resilient_fsdp_training(
     seed: int = TRAIN["seed"],
     hang_timeout: float = TRAIN["hang_timeout"],
     grace_period: float = TRAIN["grace_period"],
+    system_metrics_every: float = TRAIN["system_metrics_every"],
     backend: str = "kubernetes",
     training_run: str = "",
     image: str = IMAGE,
@@ -129,6 +130,8 @@ def resilient_fsdp_training(
         hang_timeout: Seconds without a heartbeat before a rank counts as hung (the other timeouts derive from it).
         grace_period: Seconds a preempted or evicted worker has to checkpoint its step and exit (the PyTorchJob's
             terminationGracePeriodSeconds is this plus 15).
+        system_metrics_every: Seconds between samples of each node's CPU, memory, /dev/shm, network and GPU use, logged to
+            MLflow as system/node_N/... (0 = off).
         backend: Where training runs: kubernetes (a PyTorchJob) or local (processes inside the train step's pod).
         training_run: Name of the training run ("" = derived from this KFP run, so every run starts afresh). A DNS-1035
             name names the PyTorchJob and the run's folder on the shared volume: a rerun under it resumes the run.
@@ -152,9 +155,9 @@ def resilient_fsdp_training(
         checked = check_run(
             steps=steps, ckpt_every=ckpt_every, ckpt_mode=ckpt_mode, nnodes=nnodes, nproc_per_node=nproc_per_node,
             max_restarts=max_restarts, inprocess_restart=inprocess_restart, fault=fault, model=model, seed=seed,
-            hang_timeout=hang_timeout, grace_period=grace_period, backend=backend, training_run=training_run, image=image,
-            job_namespace=job_namespace, gpus=gpus, cpu=cpu, memory=memory, source=source, pvc_name=pvc_name,
-            checkpoint_uri=checkpoint_uri, tracking_uri=tracking_uri, experiment=experiment, **kfp_run,
+            hang_timeout=hang_timeout, grace_period=grace_period, system_metrics_every=system_metrics_every, backend=backend,
+            training_run=training_run, image=image, job_namespace=job_namespace, gpus=gpus, cpu=cpu, memory=memory,
+            source=source, pvc_name=pvc_name, checkpoint_uri=checkpoint_uri, tracking_uri=tracking_uri, experiment=experiment, **kfp_run,
         ).set_display_name("check parameters")  # fmt: skip
         name = checked.output
         job_id = kfp_run["pipeline_job_id"]
@@ -162,9 +165,10 @@ def resilient_fsdp_training(
         trained = train(
             data=data.outputs["data"], steps=steps, ckpt_every=ckpt_every, ckpt_mode=ckpt_mode, nnodes=nnodes,
             nproc_per_node=nproc_per_node, max_restarts=max_restarts, inprocess_restart=inprocess_restart, fault=fault,
-            model=model, seed=seed, hang_timeout=hang_timeout, grace_period=grace_period, checkpoint_uri=checkpoint_uri,
-            backend=backend, training_run=name, image=image, job_namespace=job_namespace, pvc_name=pvc_name, gpus=gpus,
-            cpu=cpu, memory=memory, pipeline_job_id=job_id,
+            model=model, seed=seed, hang_timeout=hang_timeout, grace_period=grace_period,
+            system_metrics_every=system_metrics_every, checkpoint_uri=checkpoint_uri, backend=backend, training_run=name,
+            image=image, job_namespace=job_namespace, pvc_name=pvc_name, gpus=gpus, cpu=cpu, memory=memory,
+            tracking_uri=tracking_uri, experiment=experiment, **kfp_run,
         ).set_display_name("train")  # fmt: skip
         checked_ckpt = validate_checkpoint(
             run=trained.outputs["run"], data=data.outputs["data"], training_run=name, pipeline_job_id=job_id

@@ -12,9 +12,11 @@ import email.parser
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
@@ -30,6 +32,7 @@ from kfp.pipeline_spec import pipeline_spec_pb2
 from components.runs import FAILURE_FILE, TRAIN_STEP
 from components.train import train
 from pipelines.resilient_fsdp import PIPELINE_NAME, compile_pipeline, parameter_defaults, run_local, submit
+from tests.conftest import MlflowServer
 from trainer.cli import main
 from trainer.errors import ParameterError
 from trainer.events import EventLog, FaultFired, Restart, RunStart, read_events, select
@@ -45,8 +48,8 @@ BODY = ["check-run", "prepare-data", "train", "validate-checkpoint"]
 EXIT = "log-to-mlflow"
 EXPECTED_PARAMETERS = {
     "steps", "ckpt_every", "ckpt_mode", "nnodes", "nproc_per_node", "max_restarts", "inprocess_restart", "fault", "model", "seed",
-    "hang_timeout", "grace_period", "backend", "training_run", "image", "job_namespace", "gpus", "cpu", "memory", "source", "pvc_name",
-    "checkpoint_uri", "tracking_uri", "experiment",
+    "hang_timeout", "grace_period", "system_metrics_every", "backend", "training_run", "image", "job_namespace", "gpus", "cpu",
+    "memory", "source", "pvc_name", "checkpoint_uri", "tracking_uri", "experiment",
 }  # fmt: skip
 HEADLINE = {
     "goodput (%)", "restarts in-process", "restarts in-job", "recovery p50 (s)", "recovery max (s)", "lost steps",
@@ -224,7 +227,7 @@ def test_train_step_rejects_bad_parameters_before_any_process(tmp_path: Path, mo
     records its refusal for the exit handler."""
     monkeypatch.setenv(WORKSPACE_ENV, str(tmp_path / "workspace"))
     params = {k: v for k, v in parameter_defaults().items() if k in train.component_spec.inputs}
-    params.update(training_run="ui-run", pipeline_job_id="kfp-1")
+    params.update(training_run="ui-run", pipeline_job="resilient-fsdp-training-x7k2p", pipeline_job_id="kfp-1")
     run = Artifact(uri=str(tmp_path / "run"))
     data = Dataset(uri=str(tmp_path / "data"))
     with pytest.raises(ValueError, match="fault: step 99 in 'exception@99' is outside the run"):
@@ -438,7 +441,8 @@ def test_train_step_two_replicas_one_rendezvous(data_dir: Path, tmp_path: Path, 
     monkeypatch.setenv(WORKSPACE_ENV, str(tmp_path / "workspace"))
     params = {k: v for k, v in parameter_defaults().items() if k in train.component_spec.inputs}
     params.update(steps=10, ckpt_every=5, nnodes=2, nproc_per_node=1, fault="exception@4:1", backend="local")
-    params.update(training_run="two-replicas", pipeline_job_id="kfp-1")
+    params.update(training_run="two-replicas", pipeline_job="resilient-fsdp-training-x7k2p", pipeline_job_id="kfp-1")
+    params.update(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")  # MLflow follows the step's job
     run = Artifact(uri=str(tmp_path / "run"))
     train.python_func(data=Dataset(uri=str(data_dir)), run=run, **params)
     run_dir = tmp_path / "workspace" / "two-replicas" / "run"
@@ -492,6 +496,7 @@ def test_run_local_whole_pipeline_with_a_fault(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     root = tmp_path / "root"
     settings = ["steps=12", "ckpt_every=4", "nnodes=2", "nproc_per_node=1", "fault=exception@6:1", f"tracking_uri={uri}", "experiment=e2e"]
+    settings.append("system_metrics_every=1")
     proc = _run_local(root, *settings)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     run_id = re.search(r"MLflow run id:\s*([0-9a-f]{32})", proc.stdout)[1]
@@ -527,6 +532,8 @@ def test_run_local_whole_pipeline_with_a_fault(tmp_path: Path) -> None:
     assert logged.data.metrics["restarts_in_process"] == 1
     assert logged.data.metrics["final_step"] == 12
     assert logged.data.tags["backend"] == "local" and logged.data.tags["training_run"] == run_dir.parent.name
+    assert logged.info.run_name == f"{run_dir.parent.name} @ {logged.data.tags['kfp_pipeline_job']}"  # the run + the KFP run
+    assert {"system/node_0/cpu_utilization_percentage", "system/node_1/cpu_utilization_percentage"} <= set(logged.data.metrics)
     assert logged.data.tags["rfsdp.valid"] == "true"
     assert client.get_experiment(logged.info.experiment_id).name == "e2e"
 
@@ -549,7 +556,7 @@ def test_a_failed_run_is_logged_failed_and_the_same_name_resumes_it(tmp_path: Pa
     assert "Inner task failed" in failed.stderr and "'train'" in failed.stderr
     client = mlflow.MlflowClient(tracking_uri=uri)
     (run,) = client.search_runs([client.get_experiment_by_name("resilient-fsdp").experiment_id])
-    assert run.info.status == "FAILED" and run.info.run_name == "resume-me"
+    assert run.info.status == "FAILED" and run.info.run_name == f"resume-me @ {run.data.tags['kfp_pipeline_job']}"
     assert run.data.tags[FAILED_STEP_TAG] == TRAIN_STEP
     assert "the local job exited with code" in run.data.tags[FAILURE_REASON_TAG]
     assert run.data.metrics["faults"] == 1 and run.data.metrics["final_step"] < 8  # the events it reached are logged
@@ -561,6 +568,40 @@ def test_a_failed_run_is_logged_failed_and_the_same_name_resumes_it(tmp_path: Pa
     (again,) = client.search_runs([run.info.experiment_id])
     assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
     assert FAILED_STEP_TAG not in again.data.tags and again.data.metrics["final_step"] == 8
+
+
+@pytest.mark.slow
+def test_mlflow_follows_the_train_step_under_the_name_the_exit_handler_logs(
+    data_dir: Path, mlflow_server: MlflowServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the train step's job trains, its MLflow run (RUNNING, named after the training run and
+    the KFP run, with the KFP tags) shows the loss curve; the exit handler completes that run."""
+    import mlflow
+
+    from components.runs import live_tracking, log_pipeline_run, run_root
+
+    monkeypatch.setenv(WORKSPACE_ENV, str(tmp_path / "workspace"))
+    kfp = {"backend": "local", "pipeline_job": "resilient-fsdp-training-x7k2p", "pipeline_job_id": "kfp-1", "image": "rfsdp:test"}
+    run_dir, client = run_root("live-step") / "run", mlflow.MlflowClient(mlflow_server.uri)
+    cmd = [sys.executable, "-m", "trainer.cli", "train", "--quiet", "--data", str(data_dir), "--run-dir", str(run_dir), "--steps", "2000"]
+    with live_tracking(run_dir, tracking_uri=mlflow_server.uri, experiment="step", training_run="live-step", **kfp):
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline, seen = time.monotonic() + 300, None
+        while seen is None:  # the job goes on until the test stops it: no race with its end
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            experiment = client.get_experiment_by_name("step")
+            runs = client.search_runs([experiment.experiment_id]) if experiment else []
+            seen = runs[0] if runs and client.get_metric_history(runs[0].info.run_id, "loss") else None
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)  # preempted: checkpointed, exit 0
+        assert proc.wait(timeout=240) == 0, proc.communicate()
+    assert seen.info.status == "RUNNING" and seen.info.run_name == "live-step @ resilient-fsdp-training-x7k2p"
+    assert seen.data.tags["kfp_run_id"] == "kfp-1" and seen.data.tags["image"] == "rfsdp:test"
+    logged = log_pipeline_run(
+        state="SUCCEEDED", error_message="", training_run="live-step", tracking_uri=mlflow_server.uri, experiment="step", **kfp
+    )
+    assert logged.mlflow_run_id == seen.info.run_id and client.get_run(seen.info.run_id).info.status == "FINISHED"
+    assert len(client.search_runs([seen.info.experiment_id])) == 1
 
 
 @pytest.mark.slow
