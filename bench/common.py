@@ -23,6 +23,7 @@ from rich.table import Table
 
 from trainer.data import BUILTIN_CORPUS
 from trainer.data.shards import builtin_corpus_text, load_manifest, prepare_tokens
+from trainer.events import Event, FaultFired, Restart, RunStart, Step
 from trainer.launch.local import free_port, launch_local
 from trainer.launch.spec import LaunchSpec
 from trainer.rank.config import TrainConfig
@@ -122,6 +123,64 @@ def run_torchrun_trainer(cfg: TrainConfig, *, max_restarts: int, timeout: float 
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     log = Path(cfg.run_dir) / "logs" / "torchrun.log"
     return run_torchrun("trainer.rank.train", cfg.to_argv(), log, nproc=cfg.world_size, max_restarts=max_restarts, timeout=timeout)
+
+
+def fault_recoveries(events: list[Event]) -> list[dict]:
+    """Each injected fault of a run, in order, and how the run came back from it.
+
+    Measured from the ``fault``, ``step`` and generation events, the same way for every launcher.
+    The run is back at the first step of the generation that followed the fault: the step just
+    before the next ``restart`` event (written right after that step), or the first step after
+    the next ``run_start`` (a cold restart). Not simply the first step after the fault: a
+    surviving rank of the dead generation may still log the step it was finishing.
+    ``recovery_s``: from the fault to that step; ``lost_steps``: the steps completed before it
+    and redone after it; ``resumed_from_step``; ``layer`` and ``phases`` (when each stage of the
+    recovery ended, seconds after the fault) from the ``restart`` event (``cold`` and None for a
+    cold restart).
+
+    Raises:
+        RuntimeError: no step was completed after a fault.
+    """
+    out = []
+    for i, fault in enumerate(events):
+        if not isinstance(fault, FaultFired):
+            continue
+        k, restart = _back_after(events, i)
+        if k is None:
+            raise RuntimeError(f"no step completed after the fault {fault.kind} at step {fault.step}")
+        first = events[k]
+        done = max((e.step for e in events[:k] if isinstance(e, Step)), default=0)
+        out.append(
+            {
+                "kind": fault.kind,
+                "step": fault.step,
+                "rank": fault.rank,
+                "recovery_s": first.time - fault.time,
+                "lost_steps": max(0, done - (first.step - 1)),
+                "resumed_from_step": first.step - 1,
+                "layer": restart.layer if restart else "cold",
+                "phases": restart.phases if restart else None,
+            }
+        )
+    return out
+
+
+def _back_after(events: list[Event], i: int) -> tuple[int | None, Restart | None]:
+    """Where the first step of the generation that followed the fault ``events[i]`` is in
+    ``events``, and its ``restart`` event.
+    """
+    for j in range(i + 1, len(events)):
+        if isinstance(events[j], Restart):
+            return _first_step(events, range(j - 1, i, -1)), events[j]
+        if isinstance(events[j], RunStart):
+            return _first_step(events, range(j, len(events))), None
+    # No new generation (a fault the run rode through): the next step it completed.
+    return _first_step(events, range(i, len(events))), None
+
+
+def _first_step(events: list[Event], indices: range) -> int | None:
+    """The first of ``indices`` that holds a ``step`` event."""
+    return next((k for k in indices if isinstance(events[k], Step)), None)
 
 
 def machine() -> dict:

@@ -15,8 +15,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.common import fmt, fresh_dir, interleaved, median, print_table, print_targets, ratio, run_rfsdp, run_torchrun_trainer, target
-from trainer.events import Event, FaultFired, Restart, Step, read_events, select
+from bench.common import (
+    fault_recoveries,
+    fmt,
+    fresh_dir,
+    interleaved,
+    median,
+    print_table,
+    print_targets,
+    ratio,
+    run_rfsdp,
+    run_torchrun_trainer,
+    target,
+)
+from trainer.events import Event, FaultFired, Restart, read_events, select
 from trainer.rank.config import TrainConfig
 
 METHODS = ("inprocess", "ft_injob", "torchrun", "cold")
@@ -31,27 +43,14 @@ def applies(method: str, fault: str) -> bool:
 
 
 def measure_recovery(events: list[Event]) -> dict:
-    """Recovery of the (single) fault in a run's events: fault to the first step completed after
-    it, and the steps that were completed before it and had to be redone. Measured from the
-    ``fault`` and ``step`` events alone, so a cold restart (which writes no ``restart`` event)
-    is measured the same way as the recovery layers.
+    """Recovery of the (single) fault in a run's events (see :func:`bench.common.fault_recoveries`),
+    and the restarts before it.
     """
     fault = select(events, FaultFired)[0]
-    steps = select(events, Step)
-    before = [e.step for e in steps if e.time < fault.time]
-    after = [e for e in steps if e.time > fault.time]
-    if not after:
-        raise RuntimeError("no step completed after the fault")
-    first = after[0]
-    restarts = select(events, Restart)
-    layer = next((e.layer for e in restarts if e.time > fault.time), "cold")
     return {
-        "recovery_s": first.time - fault.time,
-        "lost_steps": max(before, default=0) - (first.step - 1),
-        "resumed_from_step": first.step - 1,
-        "layer": layer,
+        **fault_recoveries(events)[0],
         # Restarts before the injected fault: a step so slow on a loaded machine that a timeout fired.
-        "spurious_restarts": sum(e.time < fault.time for e in restarts),
+        "spurious_restarts": sum(e.time < fault.time for e in select(events, Restart)),
     }
 
 

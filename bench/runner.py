@@ -11,17 +11,22 @@ from types import ModuleType
 
 from rich.console import Console
 
-from bench import checkpoint, goodput, overhead, recovery
+from bench import checkpoint, goodput, overhead, recovery, soak
 from bench.common import DEFAULT_WORK, ensure_data, machine, write_json
 
-BENCHMARKS: dict[str, ModuleType] = {"checkpoint": checkpoint, "recovery": recovery, "overhead": overhead, "goodput": goodput}
+BENCHMARKS: dict[str, ModuleType] = {
+    "checkpoint": checkpoint, "recovery": recovery, "overhead": overhead, "goodput": goodput, "soak": soak,
+}  # fmt: skip
 
 
-def run_benchmarks(names: list[str], *, quick: bool, json_path: Path | None, work: Path | None = None) -> int:
+def run_benchmarks(
+    names: list[str], *, quick: bool, json_path: Path | None, work: Path | None = None, options: dict[str, dict] | None = None
+) -> int:
     """Run the named benchmarks one after the other; returns 0 when all of them succeeded.
 
     The JSON file is rewritten after each benchmark, so a long run leaves partial results. A
-    benchmark that fails is recorded with its error and the others still run.
+    benchmark that fails is recorded with its error and the others still run. ``options``: per
+    benchmark name, keyword arguments of its ``run`` (e.g. ``{"soak": {"fault_every": 30.0}}``).
     """
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
@@ -49,7 +54,7 @@ def run_benchmarks(names: list[str], *, quick: bool, json_path: Path | None, wor
         console.rule(f"{name}{' (quick)' if quick else ''}")
         t0 = time.perf_counter()
         try:
-            result = BENCHMARKS[name].run(quick, work, data)
+            result = BENCHMARKS[name].run(quick, work, data, **(options or {}).get(name, {}))
         except RuntimeError as e:  # a run that failed: its logs are under work/
             console.print(f"[red]{name} failed:[/red] {e}")
             result, failed = {"benchmark": name, "error": str(e)}, True

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.soak import schedule
 from tests.conftest import rfsdp
+from trainer.rank.config import TrainConfig
 
 EXPECTED = {
     "checkpoint": {
@@ -19,6 +21,7 @@ EXPECTED = {
     "recovery": {"methods": {"inprocess", "ft_injob", "torchrun", "cold"}, "keys": {"exception"}},
     "overhead": {"methods": {"resilient", "plain"}, "keys": {"steps_per_s", "ratio", "samples"}},
     "goodput": {"methods": {"resilient", "baseline"}, "keys": {"goodput", "ratio", "wall_s", "useful_s", "runs"}},
+    "soak": {"methods": {"resilient", "baseline"}, "keys": {"goodput", "ettr", "ratio", "wall_s", "lost_steps", "runs"}},
 }
 
 
@@ -58,10 +61,55 @@ def test_quick_benchmark_writes_json(name: str, tmp_path: Path) -> None:
     elif name == "overhead":
         assert all(_finite(m["steps_per_s"]) and m["steps_per_s"] > 0 for m in bench["methods"].values())
         assert _finite(bench["overhead"])
+    elif name == "soak":
+        _check_soak(bench)
     else:
         for method in bench["methods"].values():
             assert 0 < method["goodput"] < 1 and method["runs"][0]["steps"] == bench["params"]["steps"]
             assert method["runs"][0]["faults"] == len(bench["params"]["fault"].split(","))
+
+
+def _check_soak(bench: dict) -> None:
+    """The soak's schedule comes from its calibration, and every fault of it is accounted for."""
+    p = bench["params"]
+    assert _finite(p["calibration"]["step_wall_s"]) and p["calibration"]["step_wall_s"] > 0
+    assert (p["steps"], p["fault"]) == schedule(p["fault_interval_steps"], p["ckpt_every"], p["faults"])
+    expected_layers = {
+        "resilient": {"exception": "in_process", "sigkill": "in_job", "hang": "in_job"},
+        "baseline": {"exception": "in_job", "sigkill": "in_job", "hang": "in_job"},
+    }
+    for name, method in bench["methods"].items():
+        run = method["runs"][0]
+        assert run["steps"] == p["steps"] and run["faults"] == p["faults"] == len(run["per_fault"])
+        # ETTR counts the loop's time between steps too, goodput only the steps themselves.
+        assert 0 < method["goodput"] <= method["ettr"] < 1
+        for item, fault in zip(p["fault"].split(","), run["per_fault"], strict=True):
+            assert f"{fault['kind']}@{fault['step']}:{fault['rank']}" == item
+            assert fault["recovery_s"] > 0 and 0 <= fault["lost_steps"] < fault["step"]
+            assert fault["layer"] == expected_layers[name][fault["kind"]]
+        assert run["lost_steps"] == sum(f["lost_steps"] for f in run["per_fault"])
+        assert set(bench["per_kind"][name]) == {f["kind"] for f in run["per_fault"]}
+    assert [t["target"].split(" >=")[0] for t in bench["targets"]] == ["soak goodput resilient / baseline", "soak goodput resilient"]
+
+
+def test_soak_schedule_cycles_kinds_and_ranks() -> None:
+    steps, spec = schedule(interval=96, ckpt_every=8, faults=6)
+    assert steps == 672
+    assert spec == "exception@100:0,sigkill@196:1,hang@292:0,exception@388:1,sigkill@484:0,hang@580:1"
+    cfg = TrainConfig(data="d", run_dir="r", steps=steps, ckpt_every=8, fault=spec)  # the trainer accepts it
+    assert [(f.kind, f.step % 8) for f in cfg.faults] == [(k, 4) for k in ("exception", "sigkill", "hang") * 2]  # mid-interval
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("soak", "--fault-every", "0.5"), "--fault-every: must be a number of seconds >= 1"),
+    (("soak", "--fault-every", "nan"), "--fault-every: must be a number of seconds >= 1"),
+    (("soak", "--fault-every", "soon"), "argument --fault-every: invalid float value"),
+    (("goodput", "--fault-every", "30"), "--fault-every applies to the soak benchmark only"),
+])  # fmt: skip
+def test_bad_fault_every_is_refused(args: tuple[str, ...], message: str, tmp_path: Path) -> None:
+    proc = rfsdp("bench", *args, "--work", str(tmp_path / "work"))
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "work").exists()  # refused before anything ran
 
 
 def test_unknown_benchmark_is_refused() -> None:

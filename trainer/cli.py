@@ -199,9 +199,18 @@ def _pipeline(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from bench.runner import BENCHMARKS, run_benchmarks
+    from bench.soak import check_fault_every
 
     names = list(BENCHMARKS) if args.which == "all" else [args.which]
-    return run_benchmarks(names, quick=args.quick, json_path=args.json, work=args.work)
+    options = {}
+    if args.fault_every is not None:  # checked before anything runs
+        if "soak" not in names:
+            raise ValueError(f"--fault-every applies to the soak benchmark only, not to {args.which}")
+        try:
+            options["soak"] = {"fault_every": check_fault_every(args.fault_every)}
+        except ValueError as e:
+            raise ValueError(f"--fault-every: {e}") from None
+    return run_benchmarks(names, quick=args.quick, json_path=args.json, work=args.work, options=options)
 
 
 def _add_parameter_options(a: argparse.ArgumentParser) -> None:
@@ -316,10 +325,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_pipeline)
 
     p = sub.add_parser("bench", help="benchmarks against the alternatives (torch.save, dcp.async_save, torchrun restarts)")
-    p.add_argument("which", choices=["checkpoint", "recovery", "overhead", "goodput", "all"], help="which benchmark to run")
+    p.add_argument("which", choices=["checkpoint", "recovery", "overhead", "goodput", "soak", "all"], help="which benchmark to run")
     p.add_argument("--quick", action="store_true", help="everything sized down (a smoke run, not figures to quote)")
     p.add_argument("--json", type=Path, help="write the results (per method: medians and ratios) to this JSON file")
     p.add_argument("--work", type=Path, help="scratch directory for data, checkpoints and run dirs (default: work/bench)")
+    p.add_argument(
+        "--fault-every", type=float, metavar="SECONDS", help="soak only: seconds of training between faults (default: 60; --quick: 4)"
+    )
     p.set_defaults(func=_bench)
     return parser
 

@@ -1,0 +1,151 @@
+"""Goodput soak: a long run under a fault every ~T seconds (exception, SIGKILL, hang in turn, on
+ranks 0 and 1 alternately; tiny model, 2 real ranks), our stack against the baseline, the same
+comparison as ``bench.goodput`` (:func:`bench.goodput.compare`: ``resilient`` = ``rfsdp train``,
+``baseline`` = torchrun + synchronous DCP, no in-process restart) with the same seed and the same
+fault schedule in steps.
+
+Faults are scheduled by step, so T is turned into a step interval by measurement: a calibration
+run of our stack without faults (checkpointing only at its end) gives the wall time per step
+(between consecutive step completions in its events, after a warm-up), and the interval is
+T / that, rounded to ``CKPTS_PER_INTERVAL`` checkpoint intervals, and each fault fires in
+the middle of a checkpoint interval (the expected loss of a fault at a random time), both the same
+for both methods. Per method: goodput, ETTR, lost steps per fault, restarts by layer, wall time
+and where it went; per fault kind: recovery time and the recovery's stages (from ``restart``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+from bench.common import fmt, fresh_dir, print_table, print_targets, run_rfsdp, target
+from bench.goodput import compare, show_methods
+from trainer.events import Step, read_events, select
+from trainer.rank.config import TrainConfig
+
+KINDS = ("exception", "sigkill", "hang")
+CKPTS_PER_INTERVAL = 12
+"""Checkpoints per fault interval (every 5 s at a fault every 60 s)."""
+SKIP = 5
+"""Warm-up steps of the calibration run left out of the step time."""
+FULL = {"model": "tiny", "fault_every_s": 60.0, "faults": 6, "calibration_steps": 300, "seed": 0, "reps": 1}
+QUICK = {"model": "tiny", "fault_every_s": 4.0, "faults": 2, "calibration_steps": 60, "seed": 0, "reps": 1}
+MIN_FAULT_EVERY_S = 1.0
+
+
+def check_fault_every(seconds: float) -> float:
+    """``seconds`` if it is a usable fault interval.
+
+    Raises:
+        ValueError: not a finite number of at least ``MIN_FAULT_EVERY_S`` seconds.
+    """
+    if not (math.isfinite(seconds) and seconds >= MIN_FAULT_EVERY_S):
+        raise ValueError(f"must be a number of seconds >= {MIN_FAULT_EVERY_S:g}, got {seconds:g}")
+    return seconds
+
+
+def schedule(interval: int, ckpt_every: int, faults: int) -> tuple[int, str]:
+    """The run's length in steps and its fault spec: fault ``i`` (from 1) at step
+    ``i * interval + ckpt_every // 2``, its kind ``KINDS`` in turn, on rank 0, 1, 0, ...
+    """
+    items = [f"{KINDS[i % len(KINDS)]}@{(i + 1) * interval + ckpt_every // 2}:{i % 2}" for i in range(faults)]
+    return (faults + 1) * interval, ",".join(items)
+
+
+def calibrate(work: Path, data: Path, params: dict) -> dict:
+    """Our stack without faults: the wall seconds per step between step completions."""
+    run_dir = fresh_dir(work / "calibration")
+    steps = params["calibration_steps"]
+    cfg = TrainConfig(data=str(data), run_dir=str(run_dir), model=params["model"], steps=steps, ckpt_every=steps, seed=params["seed"])
+    code, _ = run_rfsdp(cfg)
+    times = [e.time for e in select(read_events(run_dir), Step)]
+    if code or len(times) != steps:
+        raise RuntimeError(f"soak benchmark: the calibration run failed (exit {code}); logs in {run_dir / 'logs'}")
+    return {
+        "step_wall_s": (times[-1] - times[SKIP]) / (steps - 1 - SKIP),
+        "step_time_s": statistics.median(e.step_time_s for e in select(read_events(run_dir), Step)[SKIP:]),
+    }
+
+
+def run(quick: bool, work: Path, data: Path, fault_every: float | None = None) -> dict:
+    """Calibrate, then both methods under the same schedule of faults every ``fault_every`` s."""
+    params = dict(QUICK if quick else FULL)
+    if fault_every is not None:
+        params["fault_every_s"] = check_fault_every(fault_every)
+    work = fresh_dir(work / "soak")
+    calibration = calibrate(work, data, params)
+    # A whole number of checkpoint intervals between faults, so that every fault is as far from
+    # its last checkpoint as the others.
+    ckpt_every = max(2, round(params["fault_every_s"] / calibration["step_wall_s"] / CKPTS_PER_INTERVAL))
+    interval = ckpt_every * CKPTS_PER_INTERVAL
+    steps, fault = schedule(interval, ckpt_every, params["faults"])
+    params |= {
+        "benchmark": "soak",
+        "calibration": calibration,
+        "fault_interval_steps": interval,
+        "ckpt_every": ckpt_every,
+        "steps": steps,
+        "fault": fault,
+        "ranks": 2,
+        # The baseline waits out gloo's collective timeout at each hang: room for all of them.
+        "timeout_s": 1800 + 4 * steps * calibration["step_wall_s"],
+    }
+    methods = compare(params, work, data)
+    ours = methods["resilient"]
+    return {
+        "benchmark": "soak",
+        "params": params,
+        "methods": methods,
+        "per_kind": per_kind(methods),
+        "targets": [
+            target("soak goodput resilient / baseline >= 1.5", ours["ratio"], 1.5, at_least=True),
+            target("soak goodput resilient >= 0.7 (meaningful at a fault every 60 s, tiny model)", ours["goodput"], 0.7, at_least=True),
+        ],
+    }
+
+
+def per_kind(methods: dict[str, dict]) -> dict[str, dict[str, dict]]:
+    """Per method and fault kind, over every fault of that kind in every run: the median recovery
+    time, the mean lost steps, the layers that recovered, and the median time after the fault at
+    which each stage of the recovery ended (stages of the ``restart`` events that have them).
+    """
+    out: dict[str, dict[str, dict]] = {}
+    for name, m in methods.items():
+        faults = [f for r in m["runs"] for f in r["per_fault"]]
+        for kind in KINDS:
+            fs = [f for f in faults if f["kind"] == kind]
+            if not fs:
+                continue
+            stages = list(dict.fromkeys(k for f in fs for k in f["phases"] or {}))
+            out.setdefault(name, {})[kind] = {
+                "faults": len(fs),
+                "recovery_s": statistics.median(f["recovery_s"] for f in fs),
+                "lost_steps": statistics.fmean(f["lost_steps"] for f in fs),
+                "layers": sorted({f["layer"] for f in fs}),
+                "phases": {k: statistics.median(f["phases"][k] for f in fs if k in (f["phases"] or {})) for k in stages},
+            }
+    return out
+
+
+def show(result: dict) -> None:
+    """Print the per-method table, the per-fault-kind tables and the targets."""
+    p = result["params"]
+    c = p["calibration"]
+    title = (
+        f"soak: {p['model']} model, a fault every {p['fault_every_s']:g} s = {p['fault_interval_steps']} steps "
+        f"(calibrated {c['step_wall_s'] * 1000:.1f} ms/step), {p['steps']} steps, checkpoint every {p['ckpt_every']}"
+    )
+    show_methods(title, result["methods"])
+    kinds = [(f"{kind}: {name}", k) for name, per in result["per_kind"].items() for kind, k in per.items()]
+    rows = [
+        [label, str(k["faults"]), "/".join(k["layers"]), fmt(k["recovery_s"], " s", 1), fmt(k["lost_steps"], digits=1)]
+        for label, k in kinds
+    ]
+    print_table("soak: per fault kind", ["fault: method", "faults", "layer", "fault -> next step", "steps lost"], rows)
+    # In the order of the longest timeline (an in-process restart has no process start or imports).
+    longest = max((k["phases"] for _, k in kinds), key=len, default={})
+    stages = list(dict.fromkeys([*longest, *(s for _, k in kinds for s in k["phases"])]))
+    rows = [[label, *(fmt(k["phases"].get(s), digits=1) for s in stages)] for label, k in kinds]
+    print_table("soak: when each recovery stage ended (s after the fault, median)", ["fault: method", *stages], rows)
+    print_targets(result["targets"])
