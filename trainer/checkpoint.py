@@ -41,6 +41,8 @@ SIGNING_KEY_ENV = "RFSDP_CHECKPOINT_KEY"
 checkpoint loaded must carry a valid signature: a checkpoint from object storage that someone
 else wrote or altered, checksums included, is refused before anything in it is unpickled."""
 _PUBLISHED = re.compile(r"^step_(\d{6})$")
+LOCAL_TIER_ROOT = Path("/dev/shm/rfsdp-local")
+"""Node-local memory holding every run's local tier (``--local-ckpt-every``), one folder per run."""
 
 
 class CheckpointError(RuntimeError):
@@ -59,6 +61,17 @@ def step_dir_name(step: int) -> str:
 def rank_state_file(rank: int) -> str:
     """Name of a rank's non-tensor state file inside a checkpoint."""
     return f"rank{rank}.pt"
+
+
+def local_tier_dir(run_dir: Path, fingerprint: str) -> Path:
+    """This node's folder of a run's local snapshots: named by the run dir's identity (its real
+    path, device and inode: a run dir removed and made again is another run) and the training
+    config's ``fingerprint``, so two runs never share one.
+    """
+    run_dir = Path(run_dir).resolve()
+    st = run_dir.stat()
+    ident = f"{run_dir}\0{st.st_dev}\0{st.st_ino}\0{fingerprint}"
+    return LOCAL_TIER_ROOT / hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
 def write_rank_checksums(directory: Path, rank: int) -> None:
@@ -209,10 +222,19 @@ class Checkpointer:
     def load_latest(self, load: Callable[[Path], None]) -> int:
         """Resume from the newest checkpoint that verifies; returns its step (0: none).
 
-        ``load`` receives the chosen directory and restores model, optimizer and rank state.
+        ``load`` receives the chosen directory and restores model, optimizer and rank state
+        (:meth:`find_latest`, then :meth:`load`).
+        """
+        step = self.find_latest()
+        if step:
+            self.load(step, load)
+        return step
+
+    def find_latest(self) -> int:
+        """The step of the newest published checkpoint that verifies, on every rank (0: none).
+
         Invalid checkpoints are skipped with a ``warning`` event. ``latest`` is pointed at the
-        chosen one if it names another (rank 0 died between publishing and moving it), and the
-        chosen one is handed to ``on_published`` again (rank 0 may have died before its upload).
+        chosen one if it names another (rank 0 died between publishing and moving it).
         """
         chosen = [None]
         if self.rank == 0:
@@ -230,13 +252,16 @@ class Checkpointer:
                 atomic_write_text(self.root / LATEST, step_dir_name(chosen[0]) + "\n")
                 self.events.emit(RunWarning(kind="latest_repaired", step=chosen[0], was=latest.name if latest else None))
         dist.broadcast_object_list(chosen, src=0, group=self.group)
-        if chosen[0] is None:
-            return 0
-        path = self.root / step_dir_name(chosen[0])
+        return chosen[0] or 0
+
+    def load(self, step: int, load: Callable[[Path], None]) -> None:
+        """Restore the published checkpoint of ``step`` (one :meth:`find_latest` chose) with
+        ``load``; it is handed to ``on_published`` again (rank 0 may have died before its upload).
+        """
+        path = self.root / step_dir_name(step)
         load(path)
         if self.rank == 0 and self.on_published is not None:  # its upload may have been cut (the mirror skips what it has)
             self.on_published(path)
-        return chosen[0]
 
     # ------------------------------------------------------------------ save
     def step(self, step: int, state: Callable[[], tuple[dict, dict]], *, last: bool) -> None:

@@ -30,6 +30,9 @@ EVENTS_FILE = "events.jsonl"
 SAVE_PHASES = ("stage", "plan", "write", "finalize")
 """The phases of a checkpoint save, in order: a ``fault`` event's ``phase`` is one of them."""
 RESTART_LAYERS = ("in_process", "in_job")
+CHECKPOINT_TIERS = ("durable", "local")
+"""Where a checkpoint lives: ``durable`` (DCP on the shared volume) or ``local`` (this node's
+memory, ``--local-ckpt-every``); a recovery resumes from one of them (``Restart.source``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,7 +82,9 @@ class Step(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class Checkpoint(Event):
-    """A checkpoint was published."""
+    """A checkpoint was published (``tier`` ``durable``), or every rank's local snapshot of a
+    step is complete (``tier`` ``local``).
+    """
 
     KIND: ClassVar[str] = "checkpoint"
     step: int
@@ -90,8 +95,11 @@ class Checkpoint(Event):
     total_s: float
     """From the start of the save until it was published."""
     bytes: int
+    """Durable: the checkpoint's files; local: rank 0's snapshot file."""
     phases: dict[str, float] | None = None
-    """Rank 0's seconds per phase of the save, in order (``Checkpointer.save`` names them)."""
+    """Rank 0's seconds per phase of the save, in order (``Checkpointer.save`` and ``LocalTier.save`` name them)."""
+    tier: str = "durable"
+    """One of ``CHECKPOINT_TIERS``."""
 
     @property
     def write_mb_s(self) -> float:
@@ -107,6 +115,8 @@ class CheckpointFailed(Event):
     step: int
     mode: str
     error: str
+    tier: str = "durable"
+    """One of ``CHECKPOINT_TIERS``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,7 +159,8 @@ class MirrorRestore(Event):
 class RunWarning(Event):
     """Something was repaired or skipped. ``kind`` ``checkpoint_skipped``: ``step``, ``reason`` (a
     torn or corrupt checkpoint at resume); ``latest_repaired``: ``step``, ``was`` (``latest`` named
-    another checkpoint than the one resumed from).
+    another checkpoint than the one resumed from); ``local_snapshot_skipped``: ``step``, ``reason``
+    (a rank's torn or corrupt local snapshot at resume, written by that rank).
     """
 
     KIND: ClassVar[str] = "warning"
@@ -188,6 +199,8 @@ class Restart(Event):
     """``in_process`` or ``in_job``."""
     attempt: int
     resumed_from_step: int
+    source: str = "durable"
+    """The tier resumed from (one of ``CHECKPOINT_TIERS``)."""
     lost_steps: int
     """Steps done since ``resumed_from_step`` that had to be redone."""
     recovery_s: float
@@ -200,6 +213,7 @@ class Restart(Event):
         return (
             f"restart {self.attempt} ({self.layer}): resumed from step {self.resumed_from_step}, "
             f"{self.lost_steps} steps redone, back {self.recovery_s:.1f} s after the fault"
+            + (" (local snapshot)" if self.source == "local" else "")
         )
 
 
@@ -430,7 +444,7 @@ def recovery_layer(prior: list[Event], *, in_process_iteration: int, in_job_rest
 
 
 def describe_restart(
-    prior: list[Event], *, layer: str, resumed_from: int, first_step: Step, marks: dict[str, float] | None = None
+    prior: list[Event], *, layer: str, resumed_from: int, first_step: Step, marks: dict[str, float] | None = None, source: str = "durable"
 ) -> Restart:
     """The ``restart`` event for a recovery, from the events written before it.
 
@@ -440,7 +454,7 @@ def describe_restart(
     before the fault, which may add up to one step's time. ``lost_steps`` are the steps done since
     ``resumed_from`` that must be redone. ``marks`` (unix times on the first step's host, in order)
     become ``phases``, as seconds after the fault; marks before it (a process that outlived the
-    fault) are left out.
+    fault) are left out. ``source``: the tier resumed from.
     """
     # File order, not timestamps, says what happened since the last (re)start: no clock involved.
     since = max((i for i, e in enumerate(prior) if isinstance(e, Restart | RunStart)), default=-1)
@@ -456,10 +470,18 @@ def describe_restart(
         layer=layer,
         attempt=1 + len(select(prior, Restart)),
         resumed_from_step=resumed_from,
+        source=source,
         lost_steps=max(0, max((e.step for e in steps), default=resumed_from) - resumed_from),
         recovery_s=first_step.time - start,
         phases={**{k: t - start for k, t in (marks or {}).items() if t >= start}, "first_step": first_step.time - start},
     )
+
+
+def durable_checkpoints(events: Iterable[Event]) -> list[Checkpoint]:
+    """The published durable checkpoints (``checkpoint`` events of tier ``durable``), in order:
+    what validation, mirroring and the durable stall figures are about.
+    """
+    return [e for e in select(events, Checkpoint) if e.tier == "durable"]
 
 
 def restarts_with_faults(events: Iterable[Event]) -> list[tuple[Restart, FaultFired | None]]:
@@ -487,7 +509,11 @@ def summarize(events: list[Event]) -> dict[str, float | int | None]:
           lost work and recovery, and also the small per-step bookkeeping outside the timed
           step, so even a fault-free run stays a little below 1.
         * ``ckpt_overhead``: the summed ``blocking_s`` of published checkpoints / ``wall_time_s``
-          (the share of wall time the training loop was stopped for checkpointing).
+          (the share of wall time the training loop was stopped for durable checkpoints).
+        * Every ``checkpoint*`` / ``ckpt_*`` figure is of the durable tier only; the local tier
+          (``--local-ckpt-every``) has its own: ``local_snapshots`` (complete on every rank),
+          ``local_blocking_s_p50|max`` (the loop's stall per snapshot) and ``local_overhead``
+          (their summed stall / ``wall_time_s``).
         * ``restarts_<layer>``, ``recovery_s_mean|p50|max`` (fault to first completed step
           after it) and ``lost_steps`` (summed) from the ``restart`` events.
         * ``ckpt_write_mb_s_mean``: mean over checkpoints of ``bytes / total_s`` in MB/s
@@ -503,7 +529,8 @@ def summarize(events: list[Event]) -> dict[str, float | int | None]:
     """
     steps = final_steps(events)
     restarts = select(events, Restart)
-    ckpts = select(events, Checkpoint)
+    ckpts = durable_checkpoints(events)
+    local = [e.blocking_s for e in select(events, Checkpoint) if e.tier == "local"]
     recovery = [e.recovery_s for e in restarts]
     blocking = [e.blocking_s for e in ckpts]
     wall = sum(s[-1].time - s[0].time for s in sessions(events))
@@ -533,5 +560,9 @@ def summarize(events: list[Event]) -> dict[str, float | int | None]:
         "useful_time_s": useful,
         "goodput": useful / wall if wall > 0 else None,
         "ckpt_overhead": sum(blocking) / wall if wall > 0 else None,
+        "local_snapshots": len(local),
+        "local_blocking_s_p50": statistics.median(local) if local else None,
+        "local_blocking_s_max": max(local, default=None),
+        "local_overhead": sum(local) / wall if wall > 0 else None,
         "tokens_per_s": tokens / useful if useful > 0 else None,
     }

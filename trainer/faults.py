@@ -35,6 +35,7 @@ RANK_KINDS = {
     "sigterm": "the rank's container is preempted (every rank checkpoints and exits 0)",
     "corrupt-event": "rank 0 appends a torn line to events.jsonl (skipped and reported)",
     "enospc": "the rank's next write fails: disk full (the job ends with a fatal event)",
+    "corrupt-local": "the rank flips a byte of its newest local snapshot, then raises (in-process restart skips that snapshot)",
 }
 NODE_KINDS = {
     "node-loss": "node-loss@STEP:NODE, the replica's host dies (--netns)",
@@ -138,12 +139,15 @@ def claim_fault(run_dir: Path, key: str) -> bool:
 
 
 class FaultInjector:
-    """Fires this rank's scheduled faults at their steps, once per run."""
+    """Fires this rank's scheduled faults at their steps, once per run (``local_dir``: this
+    rank's local snapshots, which ``corrupt-local`` hits).
+    """
 
-    def __init__(self, faults: list[Fault], run_dir: Path, rank: int, events: EventLog) -> None:
+    def __init__(self, faults: list[Fault], run_dir: Path, rank: int, events: EventLog, *, local_dir: Path | None = None) -> None:
         self.pending = {(f.step, f.phase): f for f in faults if isinstance(f, Fault) and f.rank == rank}
         self.run_dir = Path(run_dir)
         self.events = events
+        self.local_dir = local_dir
 
     def maybe_fire(self, step: int, phase: str = "") -> None:
         """Fire the fault scheduled for ``step`` (and the save ``phase``) on this rank, unless it
@@ -165,6 +169,14 @@ class FaultInjector:
         if fault.kind == "sigterm":  # preemption of this rank's container: its PID 1, ft_launcher, forwards it to the
             os.kill(os.getppid(), signal.SIGTERM)  # other ranks; this rank gets it now, so the stop step is this one
             os.kill(os.getpid(), signal.SIGTERM)
+        if fault.kind == "corrupt-local":  # bit rot in node memory, then a fault that makes the run resume
+            newest = max(self.local_dir.glob("iter_*_local.pt"))  # zero-padded steps: the newest sorts last
+            with open(newest, "r+b") as f:
+                f.seek(newest.stat().st_size // 2)
+                byte = f.read(1)[0]
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte ^ 0xFF]))
+            raise InjectedFault(f"injected exception at step {step}, after corrupting {newest.name}")
         if fault.kind == "enospc":  # a real write the kernel refuses: /dev/full always answers ENOSPC
             with open("/dev/full", "wb", buffering=0) as full:
                 full.write(b"the rank's next write")

@@ -17,6 +17,7 @@ in ``deploy/rbac.yaml`` grants; ``tests/test_cluster.py`` runs it against the em
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 import time
@@ -32,7 +33,7 @@ from kubernetes.client.exceptions import ApiException
 from trainer.errors import ParameterError
 from trainer.faults import NodeFault
 from trainer.launch import CREDENTIAL_SECRETS, IMAGE_GID, IMAGE_UID, WORKSPACE_MOUNT
-from trainer.launch.local import DEFAULT_RDZV_PORT, worker_command
+from trainer.launch.local import DEFAULT_RDZV_PORT, local_tier_bytes, worker_command
 from trainer.launch.spec import LaunchSpec, check_run_name
 from trainer.rank.config import TrainConfig
 
@@ -70,7 +71,8 @@ class ClusterOptions:
     memory: str = "16Gi"
     """Memory request and limit per worker."""
     shm_size: str = "8Gi"
-    """Size of the memory-backed /dev/shm (the async checkpoint staging buffers live there)."""
+    """Size of the memory-backed /dev/shm (the async checkpoint staging buffers live there); with
+    the local tier on, the job's /dev/shm gets the tier's size on top (:func:`shm_size_limit`)."""
     secrets: tuple[str, ...] = tuple(CREDENTIAL_SECRETS)
     """Secrets whose keys become environment variables of every worker (optional ones)."""
     backoff_limit: int = 3
@@ -102,6 +104,28 @@ class ClusterOptions:
                 raise refuse(field_name, f"must be >= 0, got {getattr(self, field_name)}")
 
 
+_QUANTITY_UNITS = {
+    "m": 1e-3, "": 1, **{u: 1000**i for i, u in enumerate("kMGTPE", 1)}, **{u + "i": 1024**i for i, u in enumerate("KMGTPE", 1)},
+}  # fmt: skip
+
+
+def quantity_bytes(quantity: str) -> float:
+    """A Kubernetes quantity (``8Gi``, ``500M``) in bytes."""
+    m = _QUANTITY.match(quantity)
+    if m is None:
+        raise ValueError(f"{quantity!r} is not a Kubernetes quantity")
+    return float(quantity[: len(quantity) - len(m[2] or "")]) * _QUANTITY_UNITS[m[2] or ""]
+
+
+def shm_size_limit(cfg: TrainConfig, spec: LaunchSpec, opts: ClusterOptions) -> str:
+    """The pod's /dev/shm size: ``opts.shm_size``, plus what the local tier holds when it is on
+    (``trainer.launch.local.local_tier_bytes``: that memory counts against the container's limit).
+    """
+    if not cfg.local_ckpt_every:
+        return opts.shm_size
+    return f"{math.ceil((quantity_bytes(opts.shm_size) + local_tier_bytes(cfg, spec)) / 2**20)}Mi"
+
+
 def build_pytorchjob(cfg: TrainConfig, spec: LaunchSpec, opts: ClusterOptions) -> models.KubeflowOrgV1PyTorchJob:
     """The PyTorchJob that runs ``worker_command(cfg)`` on ``spec.nnodes`` Worker pods.
 
@@ -118,6 +142,7 @@ def build_pytorchjob(cfg: TrainConfig, spec: LaunchSpec, opts: ClusterOptions) -
                 flag, f"{path!r} is not on the shared volume ({WORKSPACE_MOUNT}), so the workers cannot see it", style="parameter"
             )
     limits = {"cpu": opts.cpu, "memory": opts.memory}
+    shm = k8s.V1EmptyDirVolumeSource(medium="Memory", size_limit=shm_size_limit(cfg, spec, opts))
     if opts.gpus:
         limits["nvidia.com/gpu"] = str(spec.nproc_per_node)
     container = k8s.V1Container(
@@ -147,7 +172,7 @@ def build_pytorchjob(cfg: TrainConfig, spec: LaunchSpec, opts: ClusterOptions) -
             termination_grace_period_seconds=int(cfg.grace_period) + 15,
             volumes=[
                 k8s.V1Volume(name="workspace", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(claim_name=opts.pvc_name)),
-                k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory", size_limit=opts.shm_size)),
+                k8s.V1Volume(name="dshm", empty_dir=shm),
             ],
         ),
     )

@@ -16,6 +16,7 @@ import fcntl
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,6 +26,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+from trainer.checkpoint import LOCAL_TIER_ROOT
 from trainer.data.prepare import local_data
 from trainer.data.shards import DataError, load_manifest, verify_shards
 from trainer.errors import FATAL_EXIT_CODE, ParameterError, as_pipeline_parameters
@@ -34,6 +36,7 @@ from trainer.launch.progress import TrainingProgress
 from trainer.launch.spec import LaunchSpec
 from trainer.process import die_with_parent
 from trainer.rank.config import TRAJECTORY_FIELDS, Timeouts, TrainConfig
+from trainer.rank.model import parameter_count
 from trainer.storage.store import StorageError, open_storage
 
 RUN_CONFIG = "config.json"
@@ -108,6 +111,40 @@ def check_launch(cfg: TrainConfig, spec: LaunchSpec, *, verify_data: bool = True
     if cfg.checkpoint_uri:
         check_mirror(cfg)
     check_run_dir(cfg)
+    if cfg.local_ckpt_every:
+        check_local_tier(cfg, spec, free_bytes=shutil.disk_usage(_existing_parent(LOCAL_TIER_ROOT)).free)
+
+
+LOCAL_SNAPSHOTS = 2
+"""Local snapshots a rank holds at most: the newest complete one and the one being written."""
+LOCAL_MARGIN = 1.25
+"""Headroom over the estimate: the loader, RNG and optimizer metadata, and the write's buffers."""
+
+
+def local_tier_bytes(cfg: TrainConfig, spec: LaunchSpec) -> int:
+    """Memory the local tier needs on one node: per rank, ``LOCAL_SNAPSHOTS`` snapshots of its
+    shards of the parameters and AdamW's two moments (fp32), with ``LOCAL_MARGIN``.
+    """
+    per_rank = parameter_count(cfg.size) * (1 + 2) * 4 / spec.world_size
+    return int(per_rank * LOCAL_SNAPSHOTS * LOCAL_MARGIN * spec.nproc_per_node)
+
+
+def check_local_tier(cfg: TrainConfig, spec: LaunchSpec, *, free_bytes: int) -> None:
+    """Refuse a local tier that ``free_bytes`` of node memory (``/dev/shm``) cannot hold."""
+    need = local_tier_bytes(cfg, spec)
+    if need > free_bytes:
+        raise ParameterError(
+            "local_ckpt_every",
+            f"{LOCAL_SNAPSHOTS} local snapshots of each of {spec.nproc_per_node} ranks on a node need {need / 2**20:,.0f} MiB "
+            f"of /dev/shm (model {cfg.model}, world size {spec.world_size}), but {free_bytes / 2**20:,.0f} MiB are free",
+        )
+
+
+def _existing_parent(path: Path) -> Path:
+    """``path``, or its nearest parent that exists (the tier's folder is made by the first save)."""
+    while not path.exists():
+        path = path.parent
+    return path
 
 
 def check_run_dir(cfg: TrainConfig) -> None:

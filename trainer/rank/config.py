@@ -62,6 +62,10 @@ class TrainConfig:
     """``async`` (NVRx background writer) or ``sync`` (blocking DCP save, the baseline)."""
     keep_last: int = 3
     """Published checkpoints kept by retention."""
+    local_ckpt_every: int = 0
+    """Local snapshot interval in steps: each rank's state also goes to this node's memory
+    (/dev/shm), at most two snapshots per rank, and recovery resumes from the newest one every
+    rank can load when it is newer than the durable checkpoint (0: off)."""
     seed: int = 0
     """Seed for initialization (and anything random)."""
     batch_size: int = 8
@@ -106,6 +110,8 @@ class TrainConfig:
             raise ParameterError("model", f"unknown model {self.model!r} (known: {', '.join(MODEL_SIZES)})")
         if self.log_every < 0:
             raise ParameterError("log_every", f"must be at least 0, got {self.log_every}")
+        if self.local_ckpt_every < 0:
+            raise ParameterError("local_ckpt_every", f"must be at least 0 (0: off), got {self.local_ckpt_every}")
         if self.max_inprocess_restarts < 0:
             raise ParameterError("max_inprocess_restarts", f"must be at least 0, got {self.max_inprocess_restarts}")
         for name in ("steps", "ckpt_every", "keep_last", "batch_size", "world_size"):
@@ -131,6 +137,8 @@ class TrainConfig:
             raise ParameterError("hang_timeout", f"must be at least 5 s, got {self.hang_timeout}")
         self.faults = parse_fault_spec(self.fault, steps=self.steps, world_size=self.world_size)
         for f in self.faults:
+            if isinstance(f, Fault) and f.kind == "corrupt-local" and not (self.local_ckpt_every and f.step > self.local_ckpt_every):
+                raise ParameterError("fault", f"{f.key} corrupts a local snapshot: it needs --local-ckpt-every below step {f.step}")
             if isinstance(f, Fault) and f.phase and (self.ckpt_mode != "async" or not self.saves_at(f.step)):
                 raise ParameterError("fault", f"{f.key} fires inside a save, but step {f.step} has no async save (every {self.ckpt_every})")
 

@@ -3,16 +3,21 @@
 - :class:`AsyncCheckpointWriter`: DCP shards written by NVRx's persistent background worker.
 - :class:`RankMonitor`: heartbeats to ft_launcher's rank monitor (in-job restart on hangs).
 - :func:`run_restartable`: the training function inside ``inprocess.Wrapper`` (in-process restart).
+- :class:`LocalTier`: each rank's snapshots in node-local memory (NVRx local checkpointing).
 """
 
 # No ``from __future__ import annotations`` here: inprocess.Wrapper finds the CallWrapper
 # parameter by its (evaluated) annotation.
 import contextlib
 import datetime
+import hashlib
+import io
 import os
 import pickle
 import queue
+import shutil
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -26,11 +31,16 @@ from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
 from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest, PersistentAsyncCaller
 from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
 from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import CheckpointMetadataCache, save_state_dict_async_plan
+from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
+from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager import CheckpointingException
+from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
 from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
 from trainer.checkpoint import CheckpointWriteError, SaveHooks, write_rank_checksums
 from trainer.errors import NonTransientError, non_transient_cause
+from trainer.events import Checkpoint, CheckpointFailed, EventLog, RunWarning
+from trainer.fsutil import atomic_write_text
 from trainer.process import die_with_parent
 from trainer.rank.config import Timeouts
 
@@ -356,3 +366,194 @@ def run_restartable(train_fn: Callable[[Attempt], None], timeouts: Timeouts, *, 
         train_fn(Attempt(iteration, atomic=call_wrapper.atomic, ping=call_wrapper.ping, store_port=base + 1 + iteration))
 
     wrapper(wrapped)()
+
+
+# ------------------------------------------------------------------ local tier (NVRx local checkpointing)
+# NVRx 0.4.1's LocalCheckpointManager, adapted for CPU/gloo and for two snapshots per rank. What is
+# used of it: the per-rank folder and file names, the write to a ``.dirty`` file renamed when
+# complete, the save with the garbage collector off (``_save_fn``) and the load path (``_load_fn``).
+# What is not, and why (pinned by tests/test_local_tier.py):
+# - ``save()`` / ``find_latest()``: their barrier and all-gather run on the default group (a
+#   ``GroupWrapper()`` without a group), the one FSDP uses; here every collective is on the
+#   checkpoint groups. ``save()`` also keeps only the newest snapshot (its ``_cleanup``), and
+#   ``find_latest()`` only finds the newest, so a corrupt newest one could not be skipped.
+# - ``_save`` / ``_load``: NVRx pickles the state dict object and loads it back with
+#   ``torch.load(weights_only=False)``; here the plain dict is saved with a SHA-256 sidecar written
+#   after it, and loaded only once its bytes match, with ``weights_only=True``.
+# - ``BasicTensorAwareStateDict`` asserts that every tensor is on CUDA and moves them back there
+#   on load: ``_HostStateDict`` drops both (the caller copies loaded values into its live tensors).
+class LocalSnapshotError(RuntimeError):
+    """A local snapshot is incomplete, torn or corrupt."""
+
+
+class _HostStateDict(BasicTensorAwareStateDict):
+    """NVRx's tensor-aware state dict for tensors in host memory (NVRx's asserts CUDA)."""
+
+    def __init__(self, state_dict: dict) -> None:
+        self.state_dict = state_dict
+        self._is_hollow = False
+
+    def restore_tensor_device(self, non_blocking: bool = True) -> None:
+        """Nothing to move: values are copied into the live tensors, wherever they are."""
+
+
+class _HashingWriter:
+    """A file that hashes what is written through it (no second read of the snapshot)."""
+
+    def __init__(self, file: io.BufferedWriter) -> None:
+        self.file, self.digest = file, hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.digest.update(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _sidecar(path: Path) -> Path:
+    # ``iter_..._local.pt.sha256``: NVRx's id pattern (a full match on ``..._local.pt``) ignores it.
+    return path.with_name(path.name + ".sha256")
+
+
+class _ChecksummedLocalManager(LocalCheckpointManager):
+    """NVRx's local manager with checksummed, weights-only snapshots (see above)."""
+
+    def _my_ckpt_ids(self) -> list:
+        """This rank's complete snapshots: their checksum sidecar is written last."""
+        return [i for i in super()._my_ckpt_ids() if _sidecar(self._local_ckpt_path_from_id(i)).is_file()]
+
+    def _save(self, state_dict: _HostStateDict, ckpt_id: tuple) -> None:
+        self._ensure_dir()
+        dirty, final = self._local_ckpt_path_from_id(ckpt_id, True), self._local_ckpt_path_from_id(ckpt_id)
+        with open(dirty, "xb") as f:  # exclusive, as NVRx's: a stale one was pruned before
+            writer = _HashingWriter(f)
+            torch.save(state_dict.state_dict, writer)
+        dirty.rename(final)
+        atomic_write_text(_sidecar(final), writer.digest.hexdigest())
+
+    def _load(self, ckpt_id: tuple) -> _HostStateDict:
+        path = self._local_ckpt_path_from_id(ckpt_id)
+        data = self.verified_bytes(path)
+        return _HostStateDict(torch.load(io.BytesIO(data), weights_only=True))
+
+    @staticmethod
+    def verified_bytes(path: Path) -> bytes:
+        """The snapshot's bytes, once they match its sidecar (nothing is unpickled before)."""
+        try:
+            data, expected = path.read_bytes(), _sidecar(path).read_text().strip()
+        except OSError as e:
+            raise LocalSnapshotError(f"{path.name}: unreadable ({e})") from e
+        if hashlib.sha256(data).hexdigest() != expected:
+            raise LocalSnapshotError(f"{path.name} fails its checksum")
+        return data
+
+    def prune(self, keep: int | None) -> None:
+        """Remove this rank's snapshot files (torn ones and sidecars too) but those of ``keep``."""
+        self._ensure_dir()
+        for path in self.local_ckpt_dir.glob("iter_*"):
+            if self._filename_to_id(path.name)[0] != keep:
+                path.unlink(missing_ok=True)
+
+
+class LocalTier:
+    """The local tier: every ``every`` steps each rank's state goes to node-local memory, at most
+    two snapshots per rank (the newest complete one and the one being written, or after a write
+    the two newest); recovery takes the newest step every rank can load.
+
+    The write is synchronous, in the training thread (a memory copy into ``/dev/shm``): nothing
+    runs beside training's collectives, and a snapshot is complete before the next step changes
+    the state. Its one collective per save, and the one of :meth:`find_latest`, are on the
+    checkpoint groups, never on the default group.
+
+    Args:
+        root: this run's folder on this node (``trainer.checkpoint.local_tier_dir``).
+        every: snapshot interval in steps.
+        group: resume collectives (their timeout covers verifying snapshots).
+        save_group: the collective of a save inside the training loop.
+        events: where ``checkpoint`` / ``checkpoint_failed`` (tier ``local``, rank 0) and
+            ``warning`` (``local_snapshot_skipped``, the rank that skipped) go.
+    """
+
+    def __init__(self, root: Path, *, every: int, group: dist.ProcessGroup, save_group: dist.ProcessGroup, events: EventLog) -> None:
+        self.root = Path(root)
+        self.every = every
+        self.group, self.save_group = group, save_group
+        self.events = events
+        self.rank = dist.get_rank()
+        self.manager = _ChecksummedLocalManager(self.root.parent, session_id=self.root.name)
+        self.newest = 0
+        """This rank's newest complete snapshot step (0: none); kept by the next save's pruning."""
+
+    @property
+    def directory(self) -> Path:
+        """This rank's folder of snapshots."""
+        return Path(self.manager.local_ckpt_dir)
+
+    def step(self, step: int, state: Callable[[], dict]) -> None:
+        """Called once per training step on every rank: snapshot when due."""
+        if step % self.every == 0:
+            self.save(step, state)
+
+    def save(self, step: int, state: Callable[[], dict]) -> None:
+        """Write this rank's ``state()`` (a nested dict of host tensors and plain values) as the
+        snapshot of ``step``, then agree with every rank that all wrote theirs. Its phases are
+        timed (the ``checkpoint`` event's): ``collect``, ``write`` (with the checksum), ``agree``.
+        A failure is not fatal: ``checkpoint_failed`` (tier ``local``), retried at the next one.
+        """
+        started = time.perf_counter()
+        snapshot = state()
+        collected = time.perf_counter()
+        error = None
+        try:
+            self.manager.prune(keep=self.newest)  # at most two: the newest complete one and this one
+            self.manager._save_fn({self.manager._ckpt_id(step): _HostStateDict(snapshot)})
+        except (OSError, CheckpointingException) as e:
+            error = e
+        written = time.perf_counter()
+        ok = torch.tensor([int(error is None)], dtype=torch.int32)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.save_group)
+        agreed = time.perf_counter()
+        if ok.item():
+            self.newest = step
+        if self.rank != 0:
+            return
+        if not ok.item():
+            self.events.emit(CheckpointFailed(step=step, mode="sync", tier="local", error=f"{error or 'failed on another rank'}"))
+            return
+        path = self.manager._local_ckpt_path_from_id(self.manager._ckpt_id(step))
+        phases = {"collect": collected - started, "write": written - collected, "agree": agreed - written}
+        stall = agreed - started
+        self.events.emit(
+            Checkpoint(step=step, mode="sync", tier="local", blocking_s=stall, total_s=stall, bytes=path.stat().st_size, phases=phases)
+        )
+
+    def find_latest(self) -> int:
+        """Collective on ``group``: the newest step whose snapshot every rank has and verifies
+        (0: none). A rank's torn or corrupt snapshot is skipped with a ``warning`` event.
+        """
+        verified = []
+        for ckpt_id in sorted(self.manager._my_ckpt_ids(), reverse=True):
+            try:
+                self.manager.verified_bytes(self.manager._local_ckpt_path_from_id(ckpt_id))
+            except LocalSnapshotError as e:
+                self.events.emit(RunWarning(kind="local_snapshot_skipped", step=ckpt_id[0], reason=str(e)))
+                continue
+            verified.append(ckpt_id[0])
+        everyone: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, verified, group=self.group)
+        common = set.intersection(*(set(steps) for steps in everyone))
+        self.newest = max(common, default=0)
+        return self.newest
+
+    def load(self, step: int) -> dict:
+        """This rank's snapshot of ``step`` (one :meth:`find_latest` agreed on), verified again
+        before it is unpickled.
+        """
+        return self.manager._load_fn(self.manager._ckpt_id(step)).state_dict
+
+    def remove(self) -> None:
+        """Remove this rank's snapshots, and the run's folder once no rank has any left."""
+        shutil.rmtree(self.manager.local_ckpt_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):  # another rank of this node still has its folder there
+            self.root.rmdir()

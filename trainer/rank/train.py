@@ -22,9 +22,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
-from trainer.checkpoint import Checkpointer, CheckpointWriter, SyncDcpWriter, load_tensors, published_checkpoints, rank_state_file
+from trainer.checkpoint import (
+    Checkpointer,
+    CheckpointWriter,
+    SyncDcpWriter,
+    load_tensors,
+    local_tier_dir,
+    published_checkpoints,
+    rank_state_file,
+)
 from trainer.data.prepare import local_data
 from trainer.data.shards import TokenLoader, load_split
 from trainer.errors import FATAL_EXIT_CODE, non_transient_cause
@@ -44,7 +53,7 @@ from trainer.events import (
 from trainer.faults import FaultInjector
 from trainer.process import die_with_parent, process_start_time
 from trainer.rank.config import Timeouts, TrainConfig, add_train_arguments
-from trainer.rank.resilience import AsyncCheckpointWriter, Attempt, RankMonitor, make_store, run_restartable
+from trainer.rank.resilience import AsyncCheckpointWriter, Attempt, LocalTier, RankMonitor, make_store, run_restartable
 from trainer.rank.runtime import build_fsdp_model, detect_runtime, init_process_group, rng_state, set_rng_state
 from trainer.rank.system import start_system_sampler
 from trainer.storage.mirror import CheckpointMirror
@@ -78,10 +87,63 @@ class TrainState:
     def load(self, path: Path) -> None:
         """Restore everything from a published checkpoint directory."""
         load_tensors(self.model, self.optimizer, path, self.group)
-        rank_state = torch.load(path / rank_state_file(dist.get_rank()), weights_only=True)
+        self._load_rank_state(torch.load(path / rank_state_file(dist.get_rank()), weights_only=True))
+
+    def local_snapshot(self, step: int) -> dict:
+        """What :meth:`snapshot` holds, with this rank's shards as plain local tensors (the
+        local tier's snapshot: it is only ever loaded back by the same rank of the same world).
+        """
+        tensors, rank_state = self.snapshot(step)
+        return {"tensors": _local_shards(tensors), "rank": rank_state}
+
+    def restore(self, snapshot: dict) -> None:
+        """Restore everything from what :meth:`local_snapshot` returned."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)  # the live shards, to copy into
+        template = _copy_shards_into({"model": model_sd, "optim": optim_sd}, snapshot["tensors"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=template["model"], optim_state_dict=template["optim"])
+        self._load_rank_state(snapshot["rank"])
+
+    def _load_rank_state(self, rank_state: dict) -> None:
         self.loader.load_state_dict(rank_state["loader"])
         set_rng_state(rank_state["rng"])
         self.monitor.load_state_dict(rank_state["rank_monitor"])
+
+
+def _local_shards(tree: object) -> object:
+    """``tree`` with every DTensor replaced by this rank's shard of it."""
+    if isinstance(tree, dict):
+        return {k: _local_shards(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_local_shards(v) for v in tree]
+    return tree.to_local() if isinstance(tree, DTensor) else tree
+
+
+def _copy_shards_into(template: object, saved: object) -> object:
+    """``template`` (a state dict of live shards) with the values of ``saved`` (its
+    :func:`_local_shards` form) copied in, tensors in place; returns it.
+    """
+    if isinstance(template, dict):
+        return {k: _copy_shards_into(v, saved[k]) for k, v in template.items()}
+    if isinstance(template, list):
+        return [_copy_shards_into(v, s) for v, s in zip(template, saved, strict=True)]
+    if isinstance(template, torch.Tensor):
+        (template.to_local() if isinstance(template, DTensor) else template).copy_(saved)
+        return template
+    return saved
+
+
+def resume(checkpointer: Checkpointer, local: LocalTier | None, state: TrainState) -> tuple[int, str]:
+    """Restore the newest complete state every rank can load: the local tier's when it is newer
+    than the durable checkpoint, else the durable one. Returns its step (0: none) and tier.
+    """
+    durable = checkpointer.find_latest()
+    newest_local = local.find_latest() if local is not None else 0
+    if newest_local > durable:
+        state.restore(local.load(newest_local))
+        return newest_local, "local"
+    if durable:
+        checkpointer.load(durable, state.load)
+    return durable, "durable"
 
 
 def train_step(state: TrainState, lr: float, grad_clip: float, device: torch.device, *, stop: bool = False) -> tuple[float, bool]:
@@ -189,7 +251,11 @@ def _train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror 
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     loader = TokenLoader(load_split(local_data(cfg.data, run_dir), "train"), cfg.size.seq_len, cfg.batch_size, rt.rank, rt.world_size)
     state = TrainState(model, optimizer, loader, monitor, ckpt_group)
-    faults = FaultInjector(cfg.faults, run_dir, rt.rank, events)
+    local = None
+    if cfg.local_ckpt_every:
+        tier_dir = local_tier_dir(run_dir, cfg.trajectory_hash())
+        local = LocalTier(tier_dir, every=cfg.local_ckpt_every, group=ckpt_group, save_group=save_group, events=events)
+    faults = FaultInjector(cfg.faults, run_dir, rt.rank, events, local_dir=local.directory if local else None)
     marks["model_built"] = time.time()
 
     def alive() -> None:
@@ -203,7 +269,7 @@ def _train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror 
     )  # fmt: skip
     if mirror is not None and not published_checkpoints(checkpointer.root):  # a fresh machine: resume from the mirror
         mirror.restore(fingerprint=cfg.trajectory_hash(), world_size=rt.world_size)
-    start = checkpointer.load_latest(state.load)
+    start, source = resume(checkpointer, local, state)
     marks["resumed"] = time.time()
     if rt.rank == 0 and layer is None:  # (layer is only known on rank 0, which writes these events)
         events.emit(RunStart(config=cfg.to_dict(), resumed_from_step=start, world_size=rt.world_size))
@@ -213,7 +279,7 @@ def _train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror 
     progress = ProgressLines(cfg.log_every, last, prior)
     # A fault anywhere below ends this incarnation; what it was saving is never published (the
     # writer abandons it when the next incarnation's group arrives) and that one resumes from the
-    # last durable checkpoint.
+    # newest complete state (:func:`resume`).
     step, stop = start, False
     for step in range(start + 1, last + 1):
         faults.maybe_fire(step)
@@ -224,7 +290,7 @@ def _train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror 
         if rt.rank == 0:
             done = events.emit(Step(step=step, loss=loss, step_time_s=step_time, tokens=tokens_per_step))
             restart = (
-                events.emit(describe_restart(prior, layer=layer, resumed_from=start, first_step=done, marks=marks))
+                events.emit(describe_restart(prior, layer=layer, resumed_from=start, first_step=done, marks=marks, source=source))
                 if layer and step == start + 1
                 else None
             )
@@ -232,9 +298,13 @@ def _train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror 
         checkpointer.step(step, partial(state.snapshot, step), last=step == last or stop)  # last: waits until published
         if stop:
             break
+        if local is not None and step != last:  # the last step is durable already
+            local.step(step, partial(state.local_snapshot, step))
     monitor.stop()
+    status = "preempted" if stop else "completed" if last == cfg.steps else "stopped"
+    if local is not None and status == "completed":  # a run stopped or preempted may be resumed
+        local.remove()
     if rt.rank == 0:
-        status = "preempted" if stop else "completed" if last == cfg.steps else "stopped"
         events.emit(RunEnd(status=status, step=step))
     dist.destroy_process_group()
 

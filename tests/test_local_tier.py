@@ -1,0 +1,163 @@
+"""The local tier (``--local-ckpt-every``): each rank's snapshots in node memory, checksummed,
+at most two per rank; recoveries resume from the newest one every rank can load, the trajectory
+stays the uninterrupted one bit for bit, and a completed run leaves nothing in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.conftest import losses, rfsdp, train
+from trainer.checkpoint import local_tier_dir
+from trainer.errors import ParameterError
+from trainer.events import Checkpoint, EventLog, Restart, RunWarning, read_events, select, summarize
+from trainer.launch import WORKSPACE_MOUNT
+from trainer.launch.k8s import ClusterOptions, build_pytorchjob, quantity_bytes
+from trainer.launch.local import check_local_tier, local_tier_bytes
+from trainer.launch.spec import LaunchSpec
+from trainer.rank.config import TrainConfig
+from trainer.rank.resilience import LocalTier
+
+LOCAL = ("--ckpt-every", "10", "--local-ckpt-every", "1")
+
+
+def tier_of(run: Path) -> Path:
+    """The run's local tier folder on this machine (from the config the launcher recorded)."""
+    cfg = TrainConfig.from_mapping({**json.loads((run / "config.json").read_text()), "data": "-", "run_dir": str(run)})
+    return local_tier_dir(run, cfg.trajectory_hash())
+
+
+def snapshot_names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.glob("iter_*_local.pt"))
+
+
+# ------------------------------------------------------------------ one rank, in this process
+@pytest.fixture
+def one_rank(tmp_path: Path) -> Iterator[dist.ProcessGroup]:
+    """A real gloo world of one rank (this process), with a checkpoint group beside the default."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+    yield dist.new_group(backend="gloo")
+    dist.destroy_process_group()
+
+
+def test_snapshots_are_bounded_checksummed_and_a_corrupt_one_is_skipped(one_rank: dist.ProcessGroup, tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
+    tier = LocalTier(tmp_path / "tier" / "run", every=2, group=one_rank, save_group=one_rank, events=EventLog(tmp_path / "run", 0))
+    for step in range(1, 8):
+        tier.step(step, lambda step=step: {"w": torch.full((4,), float(step)), "rank": {"step": step}})
+    assert snapshot_names(tier.directory) == ["iter_0000004_0_local.pt", "iter_0000006_0_local.pt"]  # at most two
+    assert all((tier.directory / f"{name}.sha256").is_file() for name in snapshot_names(tier.directory))
+    (tier.directory / "iter_0000008_0_local.pt").write_bytes(b"torn: no checksum written after it")
+    assert tier.find_latest() == 6  # a file without its sidecar is not a snapshot
+    assert torch.equal(tier.load(6)["w"], torch.full((4,), 6.0))
+
+    newest = tier.directory / "iter_0000006_0_local.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    assert tier.find_latest() == 4
+    (skipped,) = [e for e in read_events(tmp_path / "run") if isinstance(e, RunWarning)]
+    assert (skipped.kind, skipped.step) == ("local_snapshot_skipped", 6) and "checksum" in skipped.reason
+    tier.step(8, lambda: {"w": torch.zeros(1), "rank": {}})  # prunes down to the one resumed from
+    assert snapshot_names(tier.directory) == ["iter_0000004_0_local.pt", "iter_0000008_0_local.pt"]
+
+    published = [e for e in read_events(tmp_path / "run") if isinstance(e, Checkpoint)]
+    assert [(e.step, e.tier) for e in published] == [(2, "local"), (4, "local"), (6, "local"), (8, "local")]
+    assert summarize(read_events(tmp_path / "run"))["checkpoints"] == 0  # the durable figures count durable ones only
+    tier.remove()
+    assert not tier.root.exists()
+
+
+# ------------------------------------------------------------------ refused before launch
+def test_a_negative_interval_is_refused_before_launch(data_dir: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = rfsdp("train", "--quiet", "--data", str(data_dir), "--run-dir", str(run), "--local-ckpt-every", "-1")
+    assert proc.returncode == 2 and "--local-ckpt-every: must be at least 0 (0: off), got -1" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (run / "events.jsonl").exists()
+
+
+def test_corrupting_a_local_snapshot_needs_one() -> None:
+    with pytest.raises(ParameterError, match="^--fault: corrupt-local@5:1 corrupts a local snapshot"):
+        TrainConfig(data="d", run_dir="r", fault="corrupt-local@5:1")
+    with pytest.raises(ParameterError, match="needs --local-ckpt-every below step 5"):
+        TrainConfig(data="d", run_dir="r", fault="corrupt-local@5:1", local_ckpt_every=5)
+    TrainConfig(data="d", run_dir="r", fault="corrupt-local@5:1", local_ckpt_every=1)
+
+
+def test_a_dev_shm_too_small_for_two_snapshots_is_refused_with_the_numbers() -> None:
+    cfg, spec = TrainConfig(data="d", run_dir="r", model="base", local_ckpt_every=1), LaunchSpec(nnodes=1, nproc_per_node=2)
+    need = local_tier_bytes(cfg, spec)
+    assert need > 2 * 2 * 85_000_000 * 3 * 4 / 2  # two snapshots of each rank's params + 2 moments, fp32
+    check_local_tier(cfg, spec, free_bytes=need)
+    with pytest.raises(ParameterError) as refused:
+        check_local_tier(cfg, spec, free_bytes=need - 1)
+    message = str(refused.value)
+    assert message.startswith("--local-ckpt-every: 2 local snapshots of each of 2 ranks on a node need ")
+    assert f"{need / 2**20:,.0f} MiB" in message and "(model base, world size 2)" in message
+
+
+def test_the_pytorchjob_sizes_dev_shm_for_the_local_tier() -> None:
+    def shm_limit(local_every: int) -> str:
+        cfg = TrainConfig(data=f"{WORKSPACE_MOUNT}/d", run_dir=f"{WORKSPACE_MOUNT}/r", model="small", local_ckpt_every=local_every)
+        job = build_pytorchjob(cfg, LaunchSpec(nnodes=2, nproc_per_node=2), ClusterOptions(name="job", image="img:1", shm_size="1Gi"))
+        (volume,) = [v for v in job.spec.pytorch_replica_specs["Worker"].template.spec.volumes if v.name == "dshm"]
+        return volume.empty_dir.size_limit
+
+    assert shm_limit(0) == "1Gi"
+    tier = local_tier_bytes(TrainConfig(data="d", run_dir="r", model="small", local_ckpt_every=1), LaunchSpec(nnodes=2, nproc_per_node=2))
+    assert 0 <= quantity_bytes(shm_limit(1)) - (2**30 + tier) < 2**20
+
+
+# ------------------------------------------------------------------ real faults, 2 CPU ranks
+@pytest.fixture(scope="module")
+def local_faulted(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("local-faulted") / "run"
+    train(data_dir, run, "--steps", "60", *LOCAL, "--fault", "exception@15:1,sigkill@27:0", timeout=600)
+    return run
+
+
+@pytest.mark.slow
+def test_each_fault_loses_at_most_one_step_and_the_trajectory_is_exact(local_faulted: Path, baseline_60: Path) -> None:
+    events = read_events(local_faulted)
+    restarts = select(events, Restart)
+    assert [(r.layer, r.source) for r in restarts] == [("in_process", "local"), ("in_job", "local")]
+    for restart, fault_step in zip(restarts, (15, 27), strict=True):
+        assert restart.lost_steps <= 1 and restart.resumed_from_step == fault_step - 1 - restart.lost_steps
+    assert losses(local_faulted) == losses(baseline_60)
+    durable = [e.step for e in events if isinstance(e, Checkpoint) and e.tier == "durable"]
+    assert durable and all(step % 10 == 0 for step in durable)
+    assert summarize(events)["local_snapshots"] >= 59 - 1  # every step but the last (the one at a fault may be cut)
+
+
+@pytest.mark.slow
+def test_a_completed_run_leaves_nothing_in_dev_shm(local_faulted: Path) -> None:
+    assert [e for e in read_events(local_faulted) if isinstance(e, Checkpoint) and e.tier == "local"]
+    assert not tier_of(local_faulted).exists()
+
+
+@pytest.mark.slow
+def test_a_corrupt_local_snapshot_is_skipped_for_the_older_one(data_dir: Path, baseline_60: Path, tmp_path: Path) -> None:
+    """Rank 1 flips a byte of its newest snapshot (step 14) and raises: every rank resumes from step
+    13, the newest one all of them verify; a run stopped (not completed) keeps its two snapshots."""
+    run = tmp_path / "run"
+    try:
+        train(data_dir, run, "--steps", "60", "--stop-at-step", "20", *LOCAL, "--fault", "corrupt-local@15:1")
+        events = read_events(run)
+        (skipped,) = [e for e in events if isinstance(e, RunWarning) and e.kind == "local_snapshot_skipped"]
+        assert (skipped.rank, skipped.step) == (1, 14) and "fails its checksum" in skipped.reason
+        (restart,) = select(events, Restart)
+        assert (restart.layer, restart.source, restart.resumed_from_step, restart.lost_steps) == ("in_process", "local", 13, 1)
+        assert losses(run) == {step: loss for step, loss in losses(baseline_60).items() if step <= 20}
+        for rank in (0, 1):  # the last step is durable; the two before it stay, for a resume
+            assert snapshot_names(tier_of(run) / str(rank)) == [f"iter_{step:07d}_{rank}_local.pt" for step in (18, 19)]
+    finally:
+        shutil.rmtree(tier_of(run), ignore_errors=True)
