@@ -8,6 +8,7 @@ def check_run(
     steps: int,
     ckpt_every: int,
     ckpt_mode: str,
+    local_ckpt_every: int,
     nnodes: int,
     nproc_per_node: int,
     max_restarts: int,

@@ -11,6 +11,7 @@ def train(
     steps: int,
     ckpt_every: int,
     ckpt_mode: str,
+    local_ckpt_every: int,
     nnodes: int,
     nproc_per_node: int,
     max_restarts: int,
@@ -51,6 +52,7 @@ def train(
         steps: total optimizer steps.
         ckpt_every: checkpoint interval in steps.
         ckpt_mode: ``async`` or ``sync``.
+        local_ckpt_every: local snapshot interval in steps, to each node's memory (0 off).
         nnodes: replicas (PyTorchJob Worker pods).
         nproc_per_node: worker processes per replica.
         max_restarts: in-job restarts ft_launcher may do.

@@ -91,6 +91,7 @@ def resilient_fsdp_training(
     steps: int = TRAIN["steps"],
     ckpt_every: int = TRAIN["ckpt_every"],
     ckpt_mode: str = TRAIN["ckpt_mode"],
+    local_ckpt_every: int = TRAIN["local_ckpt_every"],
     nnodes: int = LAUNCH.nnodes,
     nproc_per_node: int = LAUNCH.nproc_per_node,
     max_restarts: int = LAUNCH.max_restarts,
@@ -120,6 +121,8 @@ def resilient_fsdp_training(
         steps: Total optimizer steps of the run.
         ckpt_every: Checkpoint interval in steps (the last step is always checkpointed).
         ckpt_mode: Checkpoint writer: async (NVRx background writer) or sync (blocking baseline).
+        local_ckpt_every: Local snapshot interval in steps: each rank's state also goes to its node's memory (/dev/shm,
+            sized for it), and a recovery resumes from it when it is newer than the durable checkpoint (0 = off).
         nnodes: Replicas: PyTorchJob Worker pods (kubernetes) or ft_launcher processes (local).
         nproc_per_node: Worker processes per replica (one per GPU with gpus=true).
         max_restarts: In-job restarts ft_launcher may do before the job fails.
@@ -153,7 +156,8 @@ def resilient_fsdp_training(
     ).set_display_name("log to MLflow")
     with dsl.ExitHandler(logged, name="run"):
         checked = check_run(
-            steps=steps, ckpt_every=ckpt_every, ckpt_mode=ckpt_mode, nnodes=nnodes, nproc_per_node=nproc_per_node,
+            steps=steps, ckpt_every=ckpt_every, ckpt_mode=ckpt_mode, local_ckpt_every=local_ckpt_every, nnodes=nnodes,
+            nproc_per_node=nproc_per_node,
             max_restarts=max_restarts, inprocess_restart=inprocess_restart, fault=fault, model=model, seed=seed,
             hang_timeout=hang_timeout, grace_period=grace_period, system_metrics_every=system_metrics_every, backend=backend,
             training_run=training_run, image=image, job_namespace=job_namespace, gpus=gpus, cpu=cpu, memory=memory,
@@ -163,7 +167,8 @@ def resilient_fsdp_training(
         job_id = kfp_run["pipeline_job_id"]
         data = prepare_data(source=source, training_run=name, pipeline_job_id=job_id).set_display_name("prepare data")
         trained = train(
-            data=data.outputs["data"], steps=steps, ckpt_every=ckpt_every, ckpt_mode=ckpt_mode, nnodes=nnodes,
+            data=data.outputs["data"], steps=steps, ckpt_every=ckpt_every, ckpt_mode=ckpt_mode, local_ckpt_every=local_ckpt_every,
+            nnodes=nnodes,
             nproc_per_node=nproc_per_node, max_restarts=max_restarts, inprocess_restart=inprocess_restart, fault=fault,
             model=model, seed=seed, hang_timeout=hang_timeout, grace_period=grace_period,
             system_metrics_every=system_metrics_every, checkpoint_uri=checkpoint_uri, backend=backend, training_run=name,

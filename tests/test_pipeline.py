@@ -47,9 +47,9 @@ MLFLOW = "http://mlflow.team-a:5000"
 BODY = ["check-run", "prepare-data", "train", "validate-checkpoint"]
 EXIT = "log-to-mlflow"
 EXPECTED_PARAMETERS = {
-    "steps", "ckpt_every", "ckpt_mode", "nnodes", "nproc_per_node", "max_restarts", "inprocess_restart", "fault", "model", "seed",
-    "hang_timeout", "grace_period", "system_metrics_every", "backend", "training_run", "image", "job_namespace", "gpus", "cpu",
-    "memory", "source", "pvc_name", "checkpoint_uri", "tracking_uri", "experiment",
+    "steps", "ckpt_every", "ckpt_mode", "local_ckpt_every", "nnodes", "nproc_per_node", "max_restarts", "inprocess_restart", "fault",
+    "model", "seed", "hang_timeout", "grace_period", "system_metrics_every", "backend", "training_run", "image", "job_namespace", "gpus",
+    "cpu", "memory", "source", "pvc_name", "checkpoint_uri", "tracking_uri", "experiment",
 }  # fmt: skip
 HEADLINE = {
     "goodput (%)", "restarts in-process", "restarts in-job", "recovery p50 (s)", "recovery max (s)", "lost steps",
