@@ -1,23 +1,55 @@
-"""Resilience overhead with no faults: steps/s of the full stack (``rfsdp train``: ft_launcher
-heartbeats, the in-process wrapper, async checkpoints at the default interval, event logging)
-against a plain FSDP loop with no checkpoints (the same model, data, optimizer and step function
-under torchrun), in interleaved repetitions.
+"""Resilience overhead with no faults, explained: steps/s of the full stack (``rfsdp train``:
+ft_launcher heartbeats, the in-process wrapper, async checkpoints at the default interval, event
+logging) against a plain FSDP loop with no checkpoints (the same model, data, optimizer and step
+function under torchrun), and beside them one component at a time, each turned on with a switch
+the product already has, so that each cost is a measured row:
 
-Throughput is taken between step completions on rank 0 after the first ``SKIP`` steps, so process
-start-up (a one-time cost, different for each launcher) is left out of both.
+- ``plain``: the bare loop under torchrun (no events, no checkpoints, no monitoring)
+- ``trainer``: the trainer itself under torchrun, no in-process restart, no checkpoint before the
+  end: its event log and per-step bookkeeping (fault check, progress, the checkpointer's poll)
+- ``async_ckpt`` / ``sync_ckpt``: ``trainer`` + a checkpoint every ``ckpt_every`` steps, NVRx async
+  or blocking DCP
+- ``ft_launcher``: ``trainer`` under ft_launcher (``rfsdp train --no-inprocess-restart``):
+  its rank monitors and the per-step heartbeat
+- ``wrapper``: ``ft_launcher`` + the in-process wrapper (``rfsdp train``, no checkpoint before the end)
+- ``resilient``: everything (``rfsdp train`` with its default checkpoint interval)
+- ``resilient_loaded`` / ``plain_loaded``: those two with a competing busy process on the cores
+
+Every method is compared with the plain loop (``ratio``) and with the method it adds one thing to
+(``vs_base``). The event log alone, the heartbeat alone and the checkpointer's poll alone have no
+switch of their own in the trainer, so they are measured together (``trainer``, ``ft_launcher``).
+Throughput is taken between step completions on rank 0 after the first ``SKIP`` steps, so
+process start-up (a one-time cost, different for each launcher) is left out of all of them; the
+run's final checkpoint is taken after its last step and so is outside the measurement too.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from bench.common import fmt, fresh_dir, interleaved, median, print_table, print_targets, ratio, run_rfsdp, run_torchrun, target
+from bench.common import (
+    fmt,
+    fresh_dir,
+    interleaved,
+    median,
+    print_table,
+    print_targets,
+    ratio,
+    run_rfsdp,
+    run_torchrun,
+    run_torchrun_trainer,
+    target,
+)
 from trainer.data.shards import TokenLoader, load_split
 from trainer.events import Step, read_events, select
 from trainer.rank.config import TrainConfig
@@ -25,9 +57,18 @@ from trainer.rank.resilience import RankMonitor
 from trainer.rank.runtime import build_fsdp_model, detect_runtime, init_process_group
 from trainer.rank.train import TrainState, lr_at, train_step
 
-METHODS = ("resilient", "plain")
-FULL = {"model": "small", "steps": 30, "reps": 3}
-QUICK = {"model": "tiny", "steps": 12, "reps": 1}
+BASE = {
+    "resilient": "plain", "plain": None, "trainer": "plain", "async_ckpt": "trainer", "sync_ckpt": "trainer",
+    "ft_launcher": "trainer", "wrapper": "ft_launcher", "resilient_loaded": "plain_loaded", "plain_loaded": None,
+}  # fmt: skip
+"""Each method and the method it adds one component to (None: the reference)."""
+LOADED = {"resilient_loaded": "resilient", "plain_loaded": "plain"}
+"""Methods run again beside a competing busy process (at the primary model size only), and what they run."""
+METHODS = tuple(BASE)
+CKPT_EVERY = TrainConfig.__dataclass_fields__["ckpt_every"].default
+FULL = {"models": {"small": 30, "tiny": 200}, "primary": "small", "reps": 2}
+"""Steps per model size (the tiny model's steps are short: more of them for the same time)."""
+QUICK = {"models": {"tiny": 12}, "primary": "tiny", "reps": 1}
 SKIP = 2  # warm-up steps left out of the throughput
 
 
@@ -55,49 +96,102 @@ def plain_worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def busy_core(on: bool) -> Iterator[None]:
+    """While inside: (when ``on``) one process spinning on a core, as a competing job would."""
+    if not on:
+        yield
+        return
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def run_method(method: str, model: str, steps: int, run_dir: Path, data: Path) -> list[float]:
+    """One run of ``method``; the completion times of its steps on rank 0."""
+    kind = LOADED.get(method, method)
+    with busy_core(method in LOADED):
+        if kind == "plain":
+            out = run_dir.with_suffix(".json")
+            argv = ["--data", str(data), "--model", model, "--steps", str(steps), "--out", str(out)]
+            code, _ = run_torchrun("bench.overhead", argv, run_dir.with_suffix(".log"))
+            return json.loads(out.read_text()) if out.exists() and not code else []
+        fresh_dir(run_dir)
+        # No checkpoint before the end unless the method is about checkpoints; the end's comes
+        # after the last timed step.
+        ckpt_every = CKPT_EVERY if kind in ("resilient", "async_ckpt", "sync_ckpt") else steps + 1
+        cfg = TrainConfig(
+            data=str(data), run_dir=str(run_dir), model=model, steps=steps, ckpt_every=ckpt_every,
+            ckpt_mode="sync" if kind == "sync_ckpt" else "async", inprocess_restart=kind in ("resilient", "wrapper"),
+        )  # fmt: skip
+        run = run_rfsdp if kind in ("resilient", "wrapper", "ft_launcher") else lambda c: run_torchrun_trainer(c, max_restarts=0)
+        code, _ = run(cfg)
+        return [e.time for e in select(read_events(run_dir), Step)] if not code else []
+
+
 def run(quick: bool, work: Path, data: Path) -> dict:
-    """Both methods in interleaved repetitions; median steps/s and their ratio."""
+    """Every method at every model size in interleaved repetitions (the loaded ones at the
+    primary size); median steps/s, ratios to the plain loop and to each method's base.
+    """
     params = QUICK if quick else FULL
     work = fresh_dir(work / "overhead")
-    rates: dict[str, list[float]] = {m: [] for m in METHODS}
-    for rep, method in interleaved(METHODS, params["reps"]):
-        if method == "resilient":
-            cfg = TrainConfig(
-                data=str(data), run_dir=str(fresh_dir(work / f"resilient_{rep}")), model=params["model"], steps=params["steps"]
-            )
-            code, _ = run_rfsdp(cfg)
-            times = [e.time for e in select(read_events(Path(cfg.run_dir)), Step)]
-        else:
-            out = work / f"plain_{rep}.json"
-            argv = ["--data", str(data), "--model", params["model"], "--steps", str(params["steps"]), "--out", str(out)]
-            code, _ = run_torchrun("bench.overhead", argv, work / f"plain_{rep}.log")
-            times = json.loads(out.read_text()) if out.exists() else []
-        if code or len(times) != params["steps"]:
-            raise RuntimeError(f"overhead benchmark: the {method} run failed (exit {code}); see {work}")
-        rates[method].append(steps_per_s(times))
-    ours, plain = median(rates["resilient"]), median(rates["plain"])
-    overhead = 1 - ratio(ours, plain)
-    methods = {
-        "resilient": {"steps_per_s": ours, "ratio": ratio(ours, plain), "samples": rates["resilient"]},
-        "plain": {"steps_per_s": plain, "ratio": 1.0, "samples": rates["plain"]},
-    }
+    quiet = [m for m in METHODS if m not in LOADED]
+    plan = [(model, quiet) for model in params["models"]] + [(params["primary"], list(LOADED))]
+    rates: dict[tuple[str, str], list[float]] = {}
+    for model, methods in plan:
+        steps = params["models"][model]
+        for rep, method in interleaved(methods, params["reps"]):
+            times = run_method(method, model, steps, work / f"{model}_{method}_{rep}", data)
+            if len(times) != steps:
+                raise RuntimeError(f"overhead benchmark: the {method} run ({model}) failed; see {work}")
+            rates.setdefault((method, model), []).append(steps_per_s(times))
+    methods: dict[str, dict] = {}
+    for method in METHODS:
+        base = BASE[method]
+        plain = "plain_loaded" if method in LOADED else "plain"
+        models = {}
+        for model in params["models"]:
+            if (method, model) in rates:
+                sps = median(rates[(method, model)])
+                models[model] = {
+                    "steps_per_s": sps,
+                    "ratio": ratio(sps, median(rates[(plain, model)])),
+                    "vs_base": ratio(sps, median(rates[(base, model)])) if base else None,
+                    "samples": rates[(method, model)],
+                }
+        methods[method] = {**models[params["primary"]], "base": base, "models": models}
+    ours, wrapper = methods["resilient"]["ratio"], methods["wrapper"]["ratio"]
     return {
         "benchmark": "overhead",
-        "params": {**params, "ranks": 2, "ckpt_every": TrainConfig.__dataclass_fields__["ckpt_every"].default, "skip": SKIP},
+        "params": {**params, "ranks": 2, "ckpt_every": CKPT_EVERY, "skip": SKIP},
         "methods": methods,
-        "overhead": overhead,
-        "targets": [target("resilience overhead (1 - resilient/plain steps/s) <= 0.02", overhead, 0.02)],
+        "overhead": 1 - ours,
+        "targets": [
+            target("resilience overhead (1 - resilient/plain steps/s) <= 0.02", 1 - ours, 0.02),
+            target("stack without checkpoints (wrapper) / plain steps/s >= 0.98", wrapper, 0.98, at_least=True),
+            target(f"stack with async checkpoints every {CKPT_EVERY} (resilient) / plain >= 0.95", ours, 0.95, at_least=True),
+        ],
     }
 
 
 def show(result: dict) -> None:
     """Print the result as a table and the targets under it."""
     p = result["params"]
-    rows = [
-        [name, fmt(m["steps_per_s"], digits=2), fmt(m["ratio"], digits=3), str(len(m["samples"]))] for name, m in result["methods"].items()
-    ]
-    title = f"overhead: {p['model']} model, {p['steps']} steps, async checkpoint every {p['ckpt_every']}, {p['reps']} rep(s)"
-    print_table(title, ["method", "steps/s (median)", "vs plain", "runs"], rows)
+    sizes = list(p["models"])
+    rows = []
+    for name, m in result["methods"].items():
+        row = [name, m["base"] or "-"]
+        for size in sizes:
+            s = m["models"].get(size)
+            row += [fmt(s["steps_per_s"], digits=2), fmt(s["ratio"], digits=3), fmt(s["vs_base"], digits=3)] if s else ["", "", ""]
+        rows.append(row)
+    columns = ["method", "adds to", *(f"{size} {c}" for size in sizes for c in ("steps/s", "vs plain", "vs base"))]
+    runs = ", ".join(f"{s} model {n} steps" for s, n in p["models"].items())
+    title = f"overhead: {runs}, checkpoint every {p['ckpt_every']}, {p['reps']} rep(s); *_loaded: beside a busy process"
+    print_table(title, columns, rows)
     print_targets(result["targets"])
 
 

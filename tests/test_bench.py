@@ -19,7 +19,20 @@ EXPECTED = {
         "keys": {"stall_s", "durable_s", "step_s", "slowdown", "warmup_stall_s", "stall_ratio"},
     },
     "recovery": {"methods": {"inprocess", "ft_injob", "torchrun", "cold"}, "keys": {"exception"}},
-    "overhead": {"methods": {"resilient", "plain"}, "keys": {"steps_per_s", "ratio", "samples"}},
+    "overhead": {
+        "methods": {
+            "resilient",
+            "plain",
+            "trainer",
+            "async_ckpt",
+            "sync_ckpt",
+            "ft_launcher",
+            "wrapper",
+            "resilient_loaded",
+            "plain_loaded",
+        },
+        "keys": {"steps_per_s", "ratio", "samples", "base", "vs_base", "models"},
+    },
     "goodput": {"methods": {"resilient", "baseline"}, "keys": {"goodput", "ratio", "wall_s", "useful_s", "runs"}},
     "soak": {"methods": {"resilient", "baseline"}, "keys": {"goodput", "ettr", "ratio", "wall_s", "lost_steps", "runs"}},
 }
@@ -61,6 +74,16 @@ def test_quick_benchmark_writes_json(name: str, tmp_path: Path) -> None:
     elif name == "overhead":
         assert all(_finite(m["steps_per_s"]) and m["steps_per_s"] > 0 for m in bench["methods"].values())
         assert _finite(bench["overhead"])
+        p, methods = bench["params"], bench["methods"]
+        for method_name, m in methods.items():
+            loaded = method_name.endswith("_loaded")
+            assert set(m["models"]) == ({p["primary"]} if loaded else set(p["models"]))  # the loaded rows: one size
+            assert m["base"] is None or (m["base"] in methods and m["base"].endswith("_loaded") == loaded)
+            for size, s in m["models"].items():
+                assert len(s["samples"]) == p["reps"] and _finite(s["ratio"]) and (m["base"] is None) == (s["vs_base"] is None)
+                ref = methods["plain_loaded" if loaded else "plain"]["models"][size]["steps_per_s"]
+                assert math.isclose(s["ratio"], s["steps_per_s"] / ref)  # each ratio is against its own plain run
+        assert methods["plain"]["ratio"] == methods["plain_loaded"]["ratio"] == 1.0
     elif name == "soak":
         _check_soak(bench)
     else:
