@@ -147,7 +147,8 @@ def test_a_completed_run_leaves_nothing_in_dev_shm(local_faulted: Path) -> None:
 @pytest.mark.slow
 def test_a_corrupt_local_snapshot_is_skipped_for_the_older_one(data_dir: Path, baseline_60: Path, tmp_path: Path) -> None:
     """Rank 1 flips a byte of its newest snapshot (step 14) and raises: every rank resumes from step
-    13, the newest one all of them verify; a run stopped (not completed) keeps its two snapshots."""
+    13, the newest one all of them verify. A run stopped (not completed) has its tier removed too
+    when ``rfsdp train`` ends: /dev/shm is memory, and its last step is durable."""
     run = tmp_path / "run"
     try:
         train(data_dir, run, "--steps", "60", "--stop-at-step", "20", *LOCAL, "--fault", "corrupt-local@15:1")
@@ -157,7 +158,38 @@ def test_a_corrupt_local_snapshot_is_skipped_for_the_older_one(data_dir: Path, b
         (restart,) = select(events, Restart)
         assert (restart.layer, restart.source, restart.resumed_from_step, restart.lost_steps) == ("in_process", "local", 13, 1)
         assert losses(run) == {step: loss for step, loss in losses(baseline_60).items() if step <= 20}
-        for rank in (0, 1):  # the last step is durable; the two before it stay, for a resume
-            assert snapshot_names(tier_of(run) / str(rank)) == [f"iter_{step:07d}_{rank}_local.pt" for step in (18, 19)]
+        assert [e.step for e in select(events, Checkpoint) if e.tier == "local"][-2:] == [18, 19]  # written, then removed
+        assert not tier_of(run).exists()
     finally:
         shutil.rmtree(tier_of(run), ignore_errors=True)
+
+
+def test_local_snapshots_are_reported_apart_from_the_durable_checkpoints() -> None:
+    """MLflow, the notebook and the run summary keep the durable tier's figures its own."""
+    import pandas as pd
+
+    from trainer.events import RunStart, Step
+    from trainer.results.compare import RunRecord, checkpoint_blocking, recoveries, timeline
+    from trainer.results.tracking import metric_points
+
+    def ckpt(t: float, step: int, tier: str) -> Checkpoint:
+        return Checkpoint(
+            time=t, step=step, mode="async" if tier == "durable" else "sync", tier=tier, blocking_s=0.1, total_s=0.2, bytes=10
+        )
+
+    events = [
+        RunStart(time=100.0, config={}, resumed_from_step=0, world_size=2),
+        Step(time=101.0, step=1, loss=5.0, step_time_s=0.5),
+        ckpt(101.1, 1, "local"),
+        Step(time=102.0, step=2, loss=4.0, step_time_s=0.5),
+        ckpt(102.1, 2, "durable"),
+        Restart(time=105.0, layer="in_process", attempt=1, resumed_from_step=2, lost_steps=0, recovery_s=2.0, source="local"),
+    ]
+    keys = {key for key, *_ in metric_points(events)}
+    assert {"local_ckpt_blocking_s", "ckpt_blocking_s"} <= keys
+    assert [p[3] for p in metric_points(events) if p[0] == "ckpt_blocking_s"] == [2]  # ckpt_* is the durable tier's
+    run = RunRecord(run_id="r", name="run", experiment="e", params={}, events=events)
+    assert list(checkpoint_blocking([run])["kind"]) == ["local", "async"]
+    assert list(timeline(run).checkpoints["step"]) == [2]  # the timeline's bands: durable checkpoints
+    assert list(recoveries([run])["source"]) == ["local"]
+    assert isinstance(checkpoint_blocking([]), pd.DataFrame)

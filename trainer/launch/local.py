@@ -26,7 +26,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from trainer.checkpoint import LOCAL_TIER_ROOT
+from trainer.checkpoint import LOCAL_TIER_ROOT, local_tier_dir
 from trainer.data.prepare import local_data
 from trainer.data.shards import DataError, load_manifest, verify_shards
 from trainer.errors import FATAL_EXIT_CODE, ParameterError, as_pipeline_parameters
@@ -318,6 +318,8 @@ def launch_local(
         finally:
             for replica in replicas:  # a job still running here was interrupted: it is preempted
                 replica.stop(cfg.grace_period + 10)
+            if cfg.local_ckpt_every:  # memory: nothing of the tier outlives the job (a later resume takes the durable tier)
+                shutil.rmtree(local_tier_dir(run_dir, cfg.trajectory_hash()), ignore_errors=True)
         if code:
             EventLog(run_dir, rank=-1).emit(RunEnd(status="failed", exit_code=code))
         return code

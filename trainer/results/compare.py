@@ -314,7 +314,8 @@ def recovery_layer(restart: Restart, fault: FaultFired | None) -> str:
 
 def recoveries(runs: list[RunRecord]) -> pd.DataFrame:
     """Every recovery of every run: ``run``, ``layer`` (``RECOVERY_LAYERS``), ``fault``
-    (``kind@step``, None when no fault was injected), ``recovery_s``, ``lost_steps``.
+    (``kind@step``, None when no fault was injected), ``recovery_s``, ``lost_steps``, ``source``
+    (the checkpoint tier it resumed from).
     """
     rows = [
         {
@@ -323,11 +324,12 @@ def recoveries(runs: list[RunRecord]) -> pd.DataFrame:
             "fault": f"{fault.kind}@{fault.step}" if fault else None,
             "recovery_s": restart.recovery_s,
             "lost_steps": restart.lost_steps,
+            "source": restart.source,
         }
         for r in runs
         for restart, fault in restarts_with_faults(r.events)
     ]
-    return pd.DataFrame(rows, columns=["run", "layer", "fault", "recovery_s", "lost_steps"])
+    return pd.DataFrame(rows, columns=["run", "layer", "fault", "recovery_s", "lost_steps", "source"])
 
 
 @dataclass
@@ -343,7 +345,8 @@ class Timeline:
     """Recoveries: ``t_fault`` (``t - recovery_s``), ``t`` (the first step after it), ``layer``
     (``RECOVERY_LAYERS``), ``resumed_from_step``, ``recovery_s``."""
     checkpoints: pd.DataFrame
-    """Published checkpoints: ``t_start``, ``t_end`` (published), ``step``, ``blocking_s``."""
+    """Published durable checkpoints: ``t_start``, ``t_end`` (published), ``step``, ``blocking_s``
+    (local snapshots, often every step, would cover the whole timeline)."""
 
 
 def timeline(run: RunRecord) -> Timeline:
@@ -372,7 +375,8 @@ def timeline(run: RunRecord) -> Timeline:
         }
         for e, fault in restarts_with_faults(run.events)
     ]
-    ckpts = pd.DataFrame(checkpoint_table(run.events), columns=["time", "step", "blocking_s", "total_s"])
+    ckpts = pd.DataFrame(checkpoint_table(run.events), columns=["time", "step", "tier", "blocking_s", "total_s"])
+    ckpts = ckpts[ckpts["tier"] == "durable"]
     return Timeline(
         steps=pd.DataFrame(steps, columns=["t", "step", "loss", "tokens_per_s", "redone"]),
         faults=pd.DataFrame(faults, columns=["t", "step", "kind", "rank"]),
@@ -389,9 +393,14 @@ def timeline(run: RunRecord) -> Timeline:
 
 
 def checkpoint_blocking(runs: list[RunRecord]) -> pd.DataFrame:
-    """Every published checkpoint of every run: ``run``, ``mode``, ``step``, ``blocking_s`` (the
-    loop's stall) and ``total_s`` (time to durable: from the start of the save until published).
+    """Every published checkpoint and local snapshot of every run: ``run``, ``kind`` (the durable
+    tier's mode, ``async`` or ``sync``, or ``local``), ``step``, ``blocking_s`` (the loop's stall)
+    and ``total_s`` (from the start of the save until published, or complete for a snapshot).
     """
-    frames = [pd.DataFrame(checkpoint_table(r.events)).assign(run=r.label) for r in runs]
-    columns = ["run", "mode", "step", "blocking_s", "total_s"]
+    frames = []
+    for r in runs:
+        table = pd.DataFrame(checkpoint_table(r.events)).assign(run=r.label)
+        table["kind"] = table["mode"].where(table["tier"] == "durable", table["tier"])
+        frames.append(table)
+    columns = ["run", "kind", "step", "blocking_s", "total_s"]
     return pd.concat(frames, ignore_index=True)[columns] if frames else pd.DataFrame(columns=columns)

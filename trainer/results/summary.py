@@ -99,10 +99,11 @@ def print_run_summary(run_dir: Path) -> None:
         table.add_row("steps", f"{first}..{last}")
         table.add_row("loss first -> last", f"{losses[first]:.4f} -> {losses[last]:.4f}")
     ckpts = select(events, Checkpoint)
-    for mode in sorted({e.mode for e in ckpts}):
-        blocking = [e.blocking_s for e in ckpts if e.mode == mode]
+    for tier, mode in sorted({(e.tier, e.mode) for e in ckpts}):
+        blocking = [e.blocking_s for e in ckpts if (e.tier, e.mode) == (tier, mode)]
         # The headline's definition (summarize's ckpt_blocking_s_p50), so the two figures agree.
-        table.add_row(f"checkpoints ({mode})", f"{len(blocking)}, stall p50 {statistics.median(blocking):.3f} s")
+        what = f"checkpoints ({mode})" if tier == "durable" else "local snapshots"
+        table.add_row(what, f"{len(blocking)}, stall p50 {statistics.median(blocking):.3f} s")
     table.add_row("published", ", ".join(p.name for _, p in published_checkpoints(Path(run_dir) / CHECKPOINTS)) or "-")
     latest = latest_checkpoint(run_dir)
     table.add_row("latest", latest.name if latest else "-")

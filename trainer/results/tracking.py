@@ -75,6 +75,7 @@ _STORE_SCHEMES = ("http", "https", "sqlite", "file", "databricks", "postgresql",
 # Config fields that describe one invocation rather than the run (a resumed run may differ).
 _SESSION_FIELDS = ("stop_at_step",)
 _MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch call
+_TIER_PREFIX = {"durable": "", "local": "local_"}  # ckpt_* stays the durable tier's (as summarize's figures)
 
 
 class TrackingError(RuntimeError):
@@ -109,15 +110,19 @@ def restart_table(events: list[Event]) -> dict[str, list]:
         "fault_kind": [f.kind if f else None for _, f in pairs],
         "fault_step": [f.step if f else None for _, f in pairs],
         "fault_rank": [f.rank if f else None for _, f in pairs],
+        "source": [r.source for r, _ in pairs],
     }
 
 
 def checkpoint_table(events: list[Event]) -> dict[str, list]:
-    """One row per published checkpoint (``checkpoint`` event), with its write throughput."""
+    """One row per published checkpoint and complete local snapshot (``checkpoint`` event, its
+    ``tier``), with its write throughput.
+    """
     ckpts = select(events, Checkpoint)
     return {
         "time": [c.time for c in ckpts],
         "step": [c.step for c in ckpts],
+        "tier": [c.tier for c in ckpts],
         "mode": [c.mode for c in ckpts],
         "blocking_s": [c.blocking_s for c in ckpts],
         "total_s": [c.total_s for c in ckpts],
@@ -134,13 +139,14 @@ def metric_points(
     Timestamps are the events' own times, so logging the same events twice yields identical
     points (which MLflow's SQL stores drop as duplicates). Per-step points use the training step
     (a re-executed step appears twice, at its two times); checkpoint points the checkpointed
-    step; restart points the restart attempt; fault points their order; summary points step 0 at
-    the time of the last event. A step done again after a recovery also gets a ``redone_step``
-    point (1.0) at its step. Without ``totals`` (a part of the log, while the run goes on) the
-    points that need the whole log are left out: fault points and the summary; ``done_before``
-    is then the highest step of the part before, and ``origin`` the time of the run's first event.
-    System samples are ``system/node_<N>/<name>`` points (MLflow's layout for several nodes) at
-    the whole seconds since ``origin`` (default: the first event's time).
+    step (a local snapshot's keys start with ``local_``); restart points the restart attempt;
+    fault points their order; summary points step 0 at the time of the last event. A step done
+    again after a recovery also gets a ``redone_step`` point (1.0) at its step. Without
+    ``totals`` (a part of the log, while the run goes on) the points that need the whole log are
+    left out: fault points and the summary; ``done_before`` is then the highest step of the part
+    before, and ``origin`` the time of the run's first event. System samples are
+    ``system/node_<N>/<name>`` points (MLflow's layout for several nodes) at the whole seconds
+    since ``origin`` (default: the first event's time).
     """
     points: list[tuple[str, float, int, int]] = []
     origin = events[0].time if origin is None and events else origin
@@ -156,9 +162,9 @@ def metric_points(
                 points.append(("tokens_per_s", e.tokens / e.step_time_s, ts, e.step))
         elif isinstance(e, Checkpoint):
             for key, value in (("blocking_s", e.blocking_s), ("total_s", e.total_s), ("bytes", e.bytes), ("write_mb_s", e.write_mb_s)):
-                points.append((f"ckpt_{key}", value, ts, e.step))
+                points.append((f"{_TIER_PREFIX[e.tier]}ckpt_{key}", value, ts, e.step))
         elif isinstance(e, CheckpointFailed):
-            points.append(("ckpt_failed_step", e.step, ts, e.step))
+            points.append((f"{_TIER_PREFIX[e.tier]}ckpt_failed_step", e.step, ts, e.step))
         elif isinstance(e, FaultFired) and totals:
             n_faults += 1
             points.append(("fault_step", e.step, ts, n_faults))
