@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,6 +21,23 @@ from trainer.data.shards import builtin_corpus_text, prepare_tokens
 from trainer.events import final_losses, read_events
 
 ROOT = Path(__file__).resolve().parent.parent
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+def as_unprivileged(command: list[str]) -> list[str]:
+    """``command`` run as the unprivileged user nobody when this is root (as it is otherwise).
+
+    Skips the test where that cannot be done here: no ``setpriv``, or a checkout nobody can read
+    (a clone under a 0700 folder, such as ``mktemp -d``'s).
+    """
+    if os.geteuid() != 0:
+        return command
+    if not shutil.which("setpriv"):
+        pytest.skip("root without setpriv: cannot drop privileges to check the refusal")
+    probe = subprocess.run([*NOBODY, sys.executable, "-m", "trainer.cli", "--help"], cwd=ROOT, capture_output=True, timeout=120)
+    if probe.returncode:
+        pytest.skip(f"an unprivileged user cannot read this checkout ({ROOT}, e.g. under a 0700 directory)")
+    return [*NOBODY, *command]
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,8 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, losses, rfsdp, train
 
+from tests.conftest import ROOT, as_unprivileged, losses, train
 from trainer.checkpoint import latest_checkpoint, published_checkpoints
 from trainer.emulation.netns import LocalCluster, netns_problem
 from trainer.events import Checkpoint, FaultFired, Restart, Step, read_events
@@ -119,15 +118,8 @@ def test_node_faults_fire_once_at_their_step(tmp_path: Path) -> None:
 def test_refuses_without_privileges(tmp_path: Path) -> None:
     """As an unprivileged user `--netns` is refused with the reason, before anything is created."""
     args = ["train", "--quiet", "--data", str(tmp_path), "--run-dir", str(tmp_path / "run"), "--nnodes", "2", "--netns"]
-    if os.geteuid() == 0:
-        if not shutil.which("setpriv"):
-            pytest.skip("root without setpriv: cannot drop privileges to check the refusal")
-        nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable]
-        if subprocess.run([*nobody, "-m", "trainer.cli", "--help"], cwd=ROOT, capture_output=True, timeout=120).returncode:
-            pytest.skip(f"an unprivileged user cannot read this checkout ({ROOT}, e.g. under a 0700 directory)")
-        proc = subprocess.run([*nobody, "-m", "trainer.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    else:
-        proc = rfsdp(*args)
+    command = as_unprivileged([sys.executable, "-m", "trainer.cli", *args])
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "rfsdp train: error: --netns: needs root" in proc.stderr and "Traceback" not in proc.stderr
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import email.parser
 import json
-import os
 import re
 import signal
 import subprocess
@@ -32,7 +31,7 @@ from kfp.pipeline_spec import pipeline_spec_pb2
 from components.runs import FAILURE_FILE, TRAIN_STEP
 from components.train import train
 from pipelines.resilient_fsdp import PIPELINE_NAME, compile_pipeline, parameter_defaults, run_local, submit
-from tests.conftest import MlflowServer
+from tests.conftest import MlflowServer, as_unprivileged
 from trainer.cli import main
 from trainer.errors import ParameterError
 from trainer.events import EventLog, FaultFired, Restart, RunStart, read_events, select
@@ -205,9 +204,7 @@ def test_a_kubernetes_run_local_without_root_is_refused_before_anything_starts(t
     root = tmp_path / "root"
     command = [sys.executable, "-m", "trainer.cli", "pipeline", "run-local", "--root", str(root), "--set", "backend=kubernetes"]
     command += ["--set", f"tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
-    if os.geteuid() == 0:
-        command = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", *command]
-    proc = subprocess.run(command, cwd="/", capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(as_unprivileged(command), cwd="/", capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("rfsdp pipeline: error: backend: run-local runs kubernetes on the emulated cluster, which needs root")
