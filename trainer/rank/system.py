@@ -47,9 +47,13 @@ class SystemSampler:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """Stop sampling (the process may exit without it: the thread is a daemon)."""
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop sampling: once this returns, no sample follows (the process may also exit without
+        it: the thread is a daemon).
+        """
         self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
 
     def sample(self) -> dict[str, float]:
         """The node's figures now (CPU over the time since the previous sample)."""
