@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import nbformat
@@ -21,7 +22,7 @@ from trainer.results import compare
 from trainer.results.tracking import DEFAULT_EXPERIMENT, log_run
 
 NOTEBOOK = ROOT / "notebooks" / "compare_experiments.ipynb"
-FIGURES = {"loss_vs_reference", "wall_time", "recovery_by_layer", "throughput", "timeline", "checkpoints"}
+FIGURES = {"loss_vs_reference", "wall_time", "recovery_by_layer", "lost_steps", "throughput", "timeline", "checkpoints"}
 """The figures the notebook writes to ``figures_dir`` (NAME.png), one per question it answers."""
 PARAMETERS = ("experiment", "experiments", "tracking_uri", "reference_run", "figures_dir")
 
@@ -102,6 +103,21 @@ def test_recoveries_and_table_count_node_faults_as_their_own_layer() -> None:
     assert (row["restarts in-process"], row["restarts in-job"], row["restarts after node faults"]) == (1, 1, 1)
     assert (row["ckpt mode"], row["model"], row["lost steps"]) == ("async", "tiny", 1)
     assert row["goodput"] == pytest.approx(5 * STEP_S / 13.0)
+
+
+def test_lost_steps_are_reported_per_fault_by_the_tier_resumed_from() -> None:
+    from trainer.results.summary import headline_metrics
+    from trainer.results.tracking import metric_points
+
+    events = faulted_events()
+    first = next(i for i, e in enumerate(events) if isinstance(e, Restart))
+    events[first] = replace(events[first], source="local", lost_steps=3)  # the in-process recovery, from the local tier
+    run = record("faulted", events)
+    by_tier = compare.lost_steps_by_tier(compare.recoveries([run]))
+    assert by_tier.loc[("faulted", "local")].tolist() == [1, 3, 3] and by_tier.loc[("faulted", "durable")].tolist() == [1, 0, 0]
+    points = {(key, step): value for key, value, _, step in metric_points(events)}
+    assert (points[("restart_lost_steps_local", 1)], points[("restart_lost_steps_durable", 2)]) == (3, 0)
+    assert headline_metrics(events, valid=None)["lost steps max per fault"] == 3
 
 
 def test_timeline_marks_redone_steps_and_recovery_windows() -> None:

@@ -515,7 +515,8 @@ def summarize(events: list[Event]) -> dict[str, float | int | None]:
           ``local_blocking_s_p50|max`` (the loop's stall per snapshot) and ``local_overhead``
           (their summed stall / ``wall_time_s``).
         * ``restarts_<layer>``, ``recovery_s_mean|p50|max`` (fault to first completed step
-          after it) and ``lost_steps`` (summed) from the ``restart`` events.
+          after it), ``lost_steps`` (summed) and ``lost_steps_max`` (the most one recovery lost)
+          from the ``restart`` events.
         * ``ckpt_write_mb_s_mean``: mean over checkpoints of ``bytes / total_s`` in MB/s
           (from the start of a save until it was published).
         * ``tokens_per_s``: tokens of the final trajectory / ``useful_time_s``.
@@ -548,6 +549,7 @@ def summarize(events: list[Event]) -> dict[str, float | int | None]:
         "recovery_s_p50": statistics.median(recovery) if recovery else None,
         "recovery_s_max": max(recovery, default=None),
         "lost_steps": sum(e.lost_steps for e in restarts),
+        "lost_steps_max": max((e.lost_steps for e in restarts), default=None),
         "checkpoints": len(ckpts),
         "checkpoints_failed": len(select(events, CheckpointFailed)),
         "ckpt_blocking_s_total": sum(blocking),

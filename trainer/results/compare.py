@@ -332,6 +332,14 @@ def recoveries(runs: list[RunRecord]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["run", "layer", "fault", "recovery_s", "lost_steps", "source"])
 
 
+def lost_steps_by_tier(recoveries: pd.DataFrame) -> pd.DataFrame:
+    """Steps lost per recovery, by run and by the checkpoint tier it resumed from (a frame from
+    :func:`recoveries`): ``recoveries`` (how many), ``lost mean`` and ``lost max``.
+    """
+    grouped = recoveries.groupby(["run", "source"], sort=False)["lost_steps"]
+    return grouped.agg(**{"recoveries": "count", "lost mean": "mean", "lost max": "max"})
+
+
 @dataclass
 class Timeline:
     """A run's history on its own clock (seconds since its first event)."""

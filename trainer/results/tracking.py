@@ -139,8 +139,9 @@ def metric_points(
     Timestamps are the events' own times, so logging the same events twice yields identical
     points (which MLflow's SQL stores drop as duplicates). Per-step points use the training step
     (a re-executed step appears twice, at its two times); checkpoint points the checkpointed
-    step (a local snapshot's keys start with ``local_``); restart points the restart attempt;
-    fault points their order; summary points step 0 at the time of the last event. A step done
+    step (a local snapshot's keys start with ``local_``); restart points the restart attempt
+    (``restart_lost_steps_<tier>``: the steps lost by each recovery from that tier); fault
+    points their order; summary points step 0 at the time of the last event. A step done
     again after a recovery also gets a ``redone_step`` point (1.0) at its step. Without
     ``totals`` (a part of the log, while the run goes on) the points that need the whole log are
     left out: fault points and the summary; ``done_before`` is then the highest step of the part
@@ -172,6 +173,7 @@ def metric_points(
             for key, value in (("recovery_s", e.recovery_s), ("lost_steps", e.lost_steps), ("resumed_from_step", e.resumed_from_step)):
                 points.append((f"restart_{key}", value, ts, e.attempt))
             points.append((f"restart_{e.layer}_recovery_s", e.recovery_s, ts, e.attempt))
+            points.append((f"restart_lost_steps_{e.source}", e.lost_steps, ts, e.attempt))  # by the tier resumed from
         elif isinstance(e, SystemSample):
             points += [(f"system/node_{e.node}/{k}", v, ts, int(e.time - origin)) for k, v in e.metrics.items()]
     if events and totals:
