@@ -10,7 +10,10 @@ Each round of a method: a few steps with nothing in flight (the reference step t
 stall: how long the training loop is stopped, slowest rank), then training steps until every rank
 agrees the checkpoint is durable (time until durable, and the step time while the write runs).
 Every method writes with fsync, so "durable" means the same for all of them. Round 0 is the
-warm-up (reported separately).
+warm-up (reported separately). For the two methods that run the trainer's ``Checkpointer``, the
+time of each phase of a save comes from the ``checkpoint`` events it writes (rank 0's, as in a
+production run): the stall is ``wait`` + ``collect`` + ``rank_state`` + ``stage`` + ``plan`` +
+``handoff`` (async) or ``write`` (sync), then ``background``, ``agree`` and ``publish`` until durable.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from bench.common import (
 )
 from trainer.checkpoint import Checkpointer, SyncDcpWriter
 from trainer.data.shards import TokenLoader, load_split
-from trainer.events import EventLog
+from trainer.events import Checkpoint, EventLog, read_events, select
 from trainer.rank.config import ModelSize
 from trainer.rank.model import parameter_count
 from trainer.rank.resilience import AsyncCheckpointWriter, RankMonitor
@@ -52,6 +55,8 @@ from trainer.rank.train import TrainState, train_step
 
 METHODS = ("nvrx_async", "torch_save", "dcp_save", "dcp_async_save")
 REFERENCE = "torch_save"
+PHASED = ("nvrx_async", "dcp_save")
+"""The methods that save through the trainer's ``Checkpointer``, whose events time each phase."""
 # Full size: base's width with 14 blocks, 99M parameters: 1.19 GB of fp32 params + AdamW moments
 # (over 1 GiB), with short sequences so a CPU step stays around a second.
 FULL = {"size": ModelSize(dim=768, layers=14, heads=12, seq_len=64), "batch": 1, "rounds": 5, "base_steps": 3}
@@ -249,8 +254,23 @@ def _flat_tensors(obj: object) -> list[torch.Tensor]:
 
 
 # ---------------------------------------------------------------- the driver
-def summarize(raw: dict, params: dict) -> dict:
-    """Per method: medians over the measured rounds (slowest rank per save), warm-up apart."""
+def save_phases(method_dir: Path) -> list[dict[str, float]]:
+    """Each save's phases (seconds, rank 0), in order, from the ``checkpoint`` events the
+    ``Checkpointer`` wrote in ``method_dir`` (the first is the warm-up round's).
+    """
+    return [e.phases or {} for e in select(read_events(method_dir), Checkpoint)]
+
+
+def median_phases(saves: list[dict[str, float]]) -> dict[str, float]:
+    """The median of each phase over ``saves``, in the phases' order."""
+    names = list(dict.fromkeys(k for s in saves for k in s))
+    return {k: median([s[k] for s in saves if k in s]) for k in names}
+
+
+def summarize(raw: dict, params: dict, phases: dict[str, list[dict[str, float]]] | None = None) -> dict:
+    """Per method: medians over the measured rounds (slowest rank per save), warm-up apart;
+    ``phases``: the saves' phases of the ``PHASED`` methods (see :func:`save_phases`).
+    """
     ranks = [r["records"] for r in raw["ranks"]]
     methods: dict[str, dict] = {}
     for name in METHODS:
@@ -281,7 +301,10 @@ def summarize(raw: dict, params: dict) -> dict:
             "inflight_steps": median([len(s["inflight_step_s"]) for s in measured]),
             "warmup_stall_s": warm["stall_s"],
             "warmup_durable_s": warm["durable_s"],
+            "warmup_stall_vs_steady": ratio(warm["stall_s"], median([s["stall_s"] for s in measured])),
         }
+        if phases and phases.get(name):
+            methods[name] |= {"phases": median_phases(phases[name][1:]), "warmup_phases": phases[name][0]}
     ref = methods[REFERENCE]["stall_s"]
     write_s = median([w for r in raw["ranks"] for w in r["torch_save_write_s"][1:]])
     methods[REFERENCE]["write_s_without_fsync"] = write_s
@@ -303,6 +326,8 @@ def summarize(raw: dict, params: dict) -> dict:
         "methods": methods,
         "targets": [
             target("nvrx_async stall / torch_save stall <= 0.05", ours["stall_ratio"], 0.05),
+            target("nvrx_async stall / dcp_async_save stall <= 1", ratio(ours["stall_s"], methods["dcp_async_save"]["stall_s"]), 1.0),
+            target("nvrx_async first-save stall / steady stall <= 2", ours["warmup_stall_vs_steady"], 2.0),
             target("nvrx_async step-time slowdown while writing <= 1.25", ours["slowdown"], 1.25),
         ],
     }
@@ -316,7 +341,8 @@ def run(quick: bool, work: Path, data: Path) -> dict:
     code, _ = run_torchrun("bench.checkpoint", args, work / "torchrun.log", timeout=3600)
     if code or not out.exists():
         raise RuntimeError(f"checkpoint benchmark failed (exit {code}); see {work / 'torchrun.log'}")
-    result = summarize(json.loads(out.read_text()), QUICK if quick else FULL)
+    phases = {name: save_phases(work / name) for name in PHASED}
+    result = summarize(json.loads(out.read_text()), QUICK if quick else FULL, phases)
     shutil.rmtree(work / "nvrx_async", ignore_errors=True)
     return result
 
@@ -340,6 +366,11 @@ def show(result: dict) -> None:
     cols = ["method", "stall", "stall ratio", "durable", "step", "slowdown", "warm-up stall"]
     title = f"checkpoint: {p['state_bytes'] / 2**30:.2f} GiB state, {p['ranks']} ranks, {p['rounds'] - 1} rounds + warm-up"
     print_table(title, cols, rows)
+    phased = [(name, m) for name, m in result["methods"].items() if m.get("phases")]
+    names = list(dict.fromkeys(k for _, m in phased for k in [*m["phases"], *m["warmup_phases"]]))
+    columns = [(f"{name} {label}", p) for name, m in phased for label, p in (("steady", m["phases"]), ("first", m["warmup_phases"]))]
+    rows = [[k, *(fmt(p.get(k)) for _, p in columns)] for k in names]
+    print_table("checkpoint: seconds per phase of a save (rank 0, its checkpoint events)", ["phase", *(c for c, _ in columns)], rows)
     print_targets(result["targets"])
 
 
