@@ -134,9 +134,9 @@ def fault_recoveries(events: list[Event]) -> list[dict]:
     the next ``run_start`` (a cold restart). Not simply the first step after the fault: a
     surviving rank of the dead generation may still log the step it was finishing.
     ``recovery_s``: from the fault to that step; ``lost_steps``: the steps completed before it
-    and redone after it; ``resumed_from_step``; ``layer`` and ``phases`` (when each stage of the
-    recovery ended, seconds after the fault) from the ``restart`` event (``cold`` and None for a
-    cold restart).
+    and redone after it; ``resumed_from_step``; ``layer``, ``source`` (the checkpoint tier resumed
+    from) and ``phases`` (when each stage of the recovery ended, seconds after the fault) from the
+    ``restart`` event (``cold``, ``durable`` and None for a cold restart).
 
     Raises:
         RuntimeError: no step was completed after a fault.
@@ -159,6 +159,7 @@ def fault_recoveries(events: list[Event]) -> list[dict]:
                 "lost_steps": max(0, done - (first.step - 1)),
                 "resumed_from_step": first.step - 1,
                 "layer": restart.layer if restart else "cold",
+                "source": restart.source if restart else "durable",
                 "phases": restart.phases if restart else None,
             }
         )

@@ -4,6 +4,8 @@
   exceptions, ft_launcher in-job restart for kills and hangs)
 - ``baseline``: what a user would otherwise run: the same trainer under ``torchrun
   --max-restarts`` with synchronous DCP checkpoints and no in-process restart
+- ``resilient_local`` (the soak's third method): our stack with the local tier as well
+  (``--local-ckpt-every 1``); the other two have it off, whatever the default
 
 Goodput = the time of the steps that survive into the final trajectory (each step's last
 ``step_time_s``) / the job's wall time. ETTR (effective training time ratio) = the wall time in
@@ -34,6 +36,8 @@ from trainer.events import Event, FaultFired, Restart, RunEnd, RunStart, Step, f
 from trainer.rank.config import TrainConfig
 
 METHODS = ("resilient", "baseline")
+LOCAL_EVERY = {"resilient": 0, "resilient_local": 1, "baseline": 0}
+"""Each method's local tier (``--local-ckpt-every``; 0: off)."""
 FULL = {
     "model": "small",
     "steps": 100,
@@ -117,8 +121,8 @@ def measure_goodput(events: list[Event], wall_s: float) -> dict:
 def run_one(method: str, run_dir: Path, data: Path, params: dict) -> dict:
     """One run of the fault schedule with ``method``; its goodput figures."""
     fresh_dir(run_dir)
-    common = {k: params[k] for k in CONFIG_PARAMS if k in params}
-    if method == "resilient":
+    common = {k: params[k] for k in CONFIG_PARAMS if k in params} | {"local_ckpt_every": LOCAL_EVERY[method]}
+    if method != "baseline":
         cfg = TrainConfig(data=str(data), run_dir=str(run_dir), **common, fault=params["fault"])
         hard_faults = sum(f.kind != "exception" for f in cfg.faults)  # the ones in-process restart leaves to ft_launcher
         code, wall = run_rfsdp(cfg, max_restarts=hard_faults + 1)
@@ -133,21 +137,21 @@ def run_one(method: str, run_dir: Path, data: Path, params: dict) -> dict:
     return measure_goodput(events, wall)
 
 
-def compare(params: dict, work: Path, data: Path) -> dict[str, dict]:
-    """Both methods under ``params``'s fault schedule in interleaved repetitions, run dirs under
+def compare(params: dict, work: Path, data: Path, methods: tuple[str, ...] = METHODS) -> dict[str, dict]:
+    """``methods`` under ``params``'s fault schedule in interleaved repetitions, run dirs under
     ``work``: per method the medians of the figures, the runs, and the goodput ratio to the baseline.
     """
-    runs: dict[str, list[dict]] = {m: [] for m in METHODS}
-    for rep, method in interleaved(METHODS, params["reps"]):
+    runs: dict[str, list[dict]] = {m: [] for m in methods}
+    for rep, method in interleaved(methods, params["reps"]):
         runs[method].append(run_one(method, work / f"{method}_{rep}", data, params))
     figures = (
         "goodput", "ettr", "wall_s", "useful_s", "recovery_s", "lost_steps", "checkpoint_stall_s",
         "kept_step_s", "lost_step_s", "recovering_s", "start_exit_s", "other_s",
     )  # fmt: skip
-    methods = {m: {**{k: median([r[k] for r in rs]) for k in figures}, "runs": rs} for m, rs in runs.items()}
-    for m in methods.values():
-        m["ratio"] = ratio(m["goodput"], methods["baseline"]["goodput"])
-    return methods
+    out = {m: {**{k: median([r[k] for r in rs]) for k in figures}, "runs": rs} for m, rs in runs.items()}
+    for m in out.values():
+        m["ratio"] = ratio(m["goodput"], out["baseline"]["goodput"])
+    return out
 
 
 def run(quick: bool, work: Path, data: Path) -> dict:

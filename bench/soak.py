@@ -2,7 +2,8 @@
 ranks 0 and 1 alternately; tiny model, 2 real ranks), our stack against the baseline, the same
 comparison as ``bench.goodput`` (:func:`bench.goodput.compare`: ``resilient`` = ``rfsdp train``,
 ``baseline`` = torchrun + synchronous DCP, no in-process restart) with the same seed and the same
-fault schedule in steps.
+fault schedule in steps, and a third method, ``resilient_local``: our stack with the local tier
+(a snapshot in memory every step), whose goodput is held against the single-tier stack's.
 
 Faults are scheduled by step, so T is turned into a step interval by measurement: a calibration
 run of our stack without faults (checkpointing only at its end) gives the wall time per step
@@ -19,12 +20,13 @@ import math
 import statistics
 from pathlib import Path
 
-from bench.common import fmt, fresh_dir, print_table, print_targets, run_rfsdp, target
+from bench.common import fmt, fresh_dir, print_table, print_targets, ratio, run_rfsdp, target
 from bench.goodput import compare, show_methods
 from trainer.events import Step, read_events, select
 from trainer.rank.config import TrainConfig
 
 KINDS = ("exception", "sigkill", "hang")
+METHODS = ("resilient", "resilient_local", "baseline")
 CKPTS_PER_INTERVAL = 12
 """Checkpoints per fault interval (every 5 s at a fault every 60 s)."""
 SKIP = 5
@@ -57,7 +59,9 @@ def calibrate(work: Path, data: Path, params: dict) -> dict:
     """Our stack without faults: the wall seconds per step between step completions."""
     run_dir = fresh_dir(work / "calibration")
     steps = params["calibration_steps"]
-    cfg = TrainConfig(data=str(data), run_dir=str(run_dir), model=params["model"], steps=steps, ckpt_every=steps, seed=params["seed"])
+    cfg = TrainConfig(
+        data=str(data), run_dir=str(run_dir), model=params["model"], steps=steps, ckpt_every=steps, seed=params["seed"], local_ckpt_every=0
+    )
     code, _ = run_rfsdp(cfg)
     times = [e.time for e in select(read_events(run_dir), Step)]
     if code or len(times) != steps:
@@ -91,8 +95,9 @@ def run(quick: bool, work: Path, data: Path, fault_every: float | None = None) -
         # The baseline waits out gloo's collective timeout at each hang: room for all of them.
         "timeout_s": 1800 + 4 * steps * calibration["step_wall_s"],
     }
-    methods = compare(params, work, data)
-    ours = methods["resilient"]
+    methods = compare(params, work, data, METHODS)
+    ours, two_tier = methods["resilient"], methods["resilient_local"]
+    two_tier["vs_single_tier"] = ratio(two_tier["goodput"], ours["goodput"])
     return {
         "benchmark": "soak",
         "params": params,
@@ -101,13 +106,14 @@ def run(quick: bool, work: Path, data: Path, fault_every: float | None = None) -
         "targets": [
             target("soak goodput resilient / baseline >= 1.5", ours["ratio"], 1.5, at_least=True),
             target("soak goodput resilient >= 0.7 (meaningful at a fault every 60 s, tiny model)", ours["goodput"], 0.7, at_least=True),
+            target("soak goodput resilient_local / resilient >= 1.2", two_tier["vs_single_tier"], 1.2, at_least=True),
         ],
     }
 
 
 def per_kind(methods: dict[str, dict]) -> dict[str, dict[str, dict]]:
     """Per method and fault kind, over every fault of that kind in every run: the median recovery
-    time, the mean lost steps, the layers that recovered, and the median time after the fault at
+    time, the mean lost steps, the layers that recovered, the tiers resumed from, and the median time after the fault at
     which each stage of the recovery ended (stages of the ``restart`` events that have them).
     """
     out: dict[str, dict[str, dict]] = {}
@@ -123,6 +129,7 @@ def per_kind(methods: dict[str, dict]) -> dict[str, dict[str, dict]]:
                 "recovery_s": statistics.median(f["recovery_s"] for f in fs),
                 "lost_steps": statistics.fmean(f["lost_steps"] for f in fs),
                 "layers": sorted({f["layer"] for f in fs}),
+                "sources": sorted({f["source"] for f in fs}),
                 "phases": {k: statistics.median(f["phases"][k] for f in fs if k in (f["phases"] or {})) for k in stages},
             }
     return out
@@ -139,10 +146,12 @@ def show(result: dict) -> None:
     show_methods(title, result["methods"])
     kinds = [(f"{kind}: {name}", k) for name, per in result["per_kind"].items() for kind, k in per.items()]
     rows = [
-        [label, str(k["faults"]), "/".join(k["layers"]), fmt(k["recovery_s"], " s", 1), fmt(k["lost_steps"], digits=1)]
+        [label, str(k["faults"]), "/".join(k["layers"]), "/".join(k["sources"])]
+        + [fmt(k["recovery_s"], " s", 1), fmt(k["lost_steps"], digits=1)]
         for label, k in kinds
     ]
-    print_table("soak: per fault kind", ["fault: method", "faults", "layer", "fault -> next step", "steps lost"], rows)
+    columns = ["fault: method", "faults", "layer", "resumed from", "fault -> next step", "steps lost"]
+    print_table("soak: per fault kind", columns, rows)
     # In the order of the longest timeline (an in-process restart has no process start or imports).
     longest = max((k["phases"] for _, k in kinds), key=len, default={})
     stages = list(dict.fromkeys([*longest, *(s for _, k in kinds for s in k["phases"])]))
