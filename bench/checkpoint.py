@@ -13,7 +13,9 @@ Every method writes with fsync, so "durable" means the same for all of them. Rou
 warm-up (reported separately). For the two methods that run the trainer's ``Checkpointer``, the
 time of each phase of a save comes from the ``checkpoint`` events it writes (rank 0's, as in a
 production run): the stall is ``wait`` + ``collect`` + ``rank_state`` + ``stage`` + ``plan`` +
-``handoff`` (async) or ``write`` (sync), then ``background``, ``agree`` and ``publish`` until durable.
+``handoff`` (async) or ``write`` (sync), then ``background``, ``agree`` and ``publish`` until durable;
+the first save also shows ``prepare``, the writer's warm-up after the first training step (staging
+buffers and DCP's plan, cached from then on), which is neither in its stall nor in its time to durable.
 """
 
 from __future__ import annotations
@@ -208,6 +210,8 @@ def worker(args: argparse.Namespace) -> None:
         return time.perf_counter() - t0, done
 
     iteration(None)  # creates the AdamW moments: the state is complete from here on
+    for method in methods.values():  # the per-step poll after that step, as in the trainer (the Checkpointer prepares its writer)
+        method.done(step)
     records = []
     for rnd, name in interleaved(METHODS, params["rounds"]):
         method = methods[name]
@@ -367,7 +371,7 @@ def show(result: dict) -> None:
     title = f"checkpoint: {p['state_bytes'] / 2**30:.2f} GiB state, {p['ranks']} ranks, {p['rounds'] - 1} rounds + warm-up"
     print_table(title, cols, rows)
     phased = [(name, m) for name, m in result["methods"].items() if m.get("phases")]
-    names = list(dict.fromkeys(k for _, m in phased for k in [*m["phases"], *m["warmup_phases"]]))
+    names = list(dict.fromkeys(k for _, m in phased for k in [*m["warmup_phases"], *m["phases"]]))
     columns = [(f"{name} {label}", p) for name, m in phased for label, p in (("steady", m["phases"]), ("first", m["warmup_phases"]))]
     rows = [[k, *(fmt(p.get(k)) for _, p in columns)] for k in names]
     print_table("checkpoint: seconds per phase of a save (rank 0, its checkpoint events)", ["phase", *(c for c, _ in columns)], rows)

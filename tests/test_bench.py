@@ -69,6 +69,7 @@ def test_quick_benchmark_writes_json(name: str, tmp_path: Path) -> None:
         # the phases of the trainer's own saves, from its checkpoint events: they add up to the stall
         ours = bench["methods"]["nvrx_async"]
         assert list(ours["phases"]) == ["wait", "collect", "rank_state", "stage", "plan", "handoff", "background", "agree", "publish"]
+        assert next(iter(ours["warmup_phases"])) == "prepare"  # the writer's warm-up, after the first step
         stalled = sum(ours["warmup_phases"][k] for k in ("wait", "collect", "rank_state", "stage", "plan", "handoff"))
         assert stalled == pytest.approx(ours["warmup_stall_s"], rel=0.5)  # the bench's stall is the slowest rank's
         assert "write" in bench["methods"]["dcp_save"]["phases"] and "phases" not in bench["methods"]["torch_save"]

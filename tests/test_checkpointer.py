@@ -55,6 +55,7 @@ class FakeWriter:
         self.busy_polls = 0
         self.fail = False
         self.started: dict[dist.ProcessGroup, SaveHooks] = {}
+        self.prepared: list[dict] = []
 
     def start(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:
         assert group not in self.started, "a save started while one was in flight"
@@ -65,6 +66,9 @@ class FakeWriter:
         write_rank_checksums(directory, 0)
         self.started[group] = hooks
         hooks.on_phase("write")
+
+    def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup) -> None:
+        self.prepared.append(state_dict)
 
     def poll(self, group: dist.ProcessGroup) -> bool:
         if self.busy_polls:
@@ -188,6 +192,37 @@ def test_async_writer_never_finalizes_an_earlier_incarnations_write(one_rank: No
         assert not (abandoned / ".metadata").exists(), "the abandoned write was finalized"
         verify_checkpoint(latest_checkpoint(tmp_path), world_size=1)
         assert latest_checkpoint(tmp_path).name == step_dir_name(2)
+    finally:
+        writer.close()
+
+
+def test_the_writer_is_prepared_once_per_incarnation_before_its_first_save(one_rank: None, tmp_path: Path) -> None:
+    """After the incarnation's first step (the state is complete from there), not at a save."""
+    writer = FakeWriter()
+    run_steps(checkpointer(tmp_path, writer), 7)
+    assert writer.prepared == [state(1)[0]]  # at step 1 only: step 3 is the first save
+    first, *later = select(read_events(tmp_path), Checkpoint)
+    assert next(iter(first.phases)) == "prepare" and first.phases["prepare"] < first.total_s
+    assert all("prepare" not in c.phases for c in later)
+    run_steps(checkpointer(tmp_path / "b", writer, every=1), 2)  # every step a save: nothing to prepare apart
+    assert len(writer.prepared) == 1
+
+
+def test_a_prepared_async_writer_saves_first_with_the_cached_plan(one_rank: None, tmp_path: Path) -> None:
+    """Its staging buffers exist and DCP's plan is cached before the first save, which then
+    plans without the collective, as every later save does; the checkpoint is whole."""
+    from trainer.rank.resilience import AsyncCheckpointWriter
+
+    writer = AsyncCheckpointWriter(cuda=False)
+    try:
+        tensors = {"w": torch.arange(1 << 16, dtype=torch.float32)}
+        ckpt = checkpointer(tmp_path, writer, every=2)
+        ckpt.step(1, lambda: ({"model": tensors}, {"step": 1}), last=False)
+        current = writer._current
+        assert current.staging is not None and current.plans.validated_cache_reuse
+        ckpt.step(2, lambda: ({"model": tensors}, {"step": 2}), last=True)
+        verify_checkpoint(latest_checkpoint(tmp_path), world_size=1)
+        assert not list((tmp_path / "checkpoints").glob("prepare*")), "the plan-only scratch dir was left"
     finally:
         writer.close()
 

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Protocol
 
@@ -41,6 +42,8 @@ SIGNING_KEY_ENV = "RFSDP_CHECKPOINT_KEY"
 checkpoint loaded must carry a valid signature: a checkpoint from object storage that someone
 else wrote or altered, checksums included, is refused before anything in it is unpickled."""
 _PUBLISHED = re.compile(r"^step_(\d{6})$")
+PREPARE_DIR = "prepare.tmp"
+"""Scratch directory (+ the generation tag) of a writer's :meth:`Checkpointer.prepare`."""
 LOCAL_TIER_ROOT = Path("/dev/shm/rfsdp-local")
 """Node-local memory holding every run's local tier (``--local-ckpt-every``), one folder per run."""
 
@@ -113,6 +116,12 @@ class CheckpointWriter(Protocol):
         training loop may continue. Call it only after :meth:`poll` returned True.
         """
 
+    def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup) -> None:
+        """Collective: do now, once the state is complete, what the first :meth:`start` on
+        ``group`` would otherwise pay (buffers, plans), so that it stalls no longer than the
+        saves after it; ``directory`` is scratch space, removed afterwards. May do nothing.
+        """
+
     def poll(self, group: dist.ProcessGroup) -> bool:
         """Collective (same iteration on every rank), non-blocking: True once nothing is being
         written on any rank, the write started last on ``group`` then being durable and finalized.
@@ -134,6 +143,9 @@ class SyncDcpWriter:
         dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(directory, sync_files=True), process_group=group)
         write_rank_checksums(directory, dist.get_rank())
 
+    def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup) -> None:
+        """Nothing: a synchronous save plans and writes in the loop every time alike."""
+
     def poll(self, group: dist.ProcessGroup) -> bool:
         """Always done: the write happened inside :meth:`start`."""
         return True
@@ -150,6 +162,8 @@ class _Pending:
     blocking_s: float
     marks: list[tuple[str, float]]
     """(phase, perf_counter when it ended), in order: the save's timeline."""
+    prepare_s: float | None = None
+    """The writer's warm-up before this save (the incarnation's first), done earlier: not its stall."""
 
     def mark(self, phase: str) -> None:
         self.marks.append((phase, time.perf_counter()))
@@ -210,6 +224,8 @@ class Checkpointer:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.pending: _Pending | None = None
+        self._warm = False  # the writer has planned (prepared or saved) for this incarnation's state
+        self.prepare_s: float | None = None  # how long :meth:`prepare` took, until the first save reports it
         # A generation tag keeps this incarnation's temp dirs apart from a dead one's.
         tag = [f"{time.time_ns():x}" if self.rank == 0 else None]
         dist.broadcast_object_list(tag, src=0, group=group)
@@ -267,13 +283,29 @@ class Checkpointer:
     def step(self, step: int, state: Callable[[], tuple[dict, dict]], *, last: bool) -> None:
         """Called once per training step on every rank: finishes in-flight saves, starts due ones.
 
-        ``state`` returns ``(tensor_state, rank_state)``; it is only called when a save starts.
+        ``state`` returns ``(tensor_state, rank_state)``; it is only called when a save starts
+        and once to :meth:`prepare` the writer.
         """
         self._poll(blocking=last)
         if step % self.every == 0 or last:
             self.save(step, state)
             if last:
                 self._poll(blocking=True)
+        elif not self._warm:
+            self.prepare(state)
+
+    def prepare(self, state: Callable[[], tuple[dict, dict]]) -> None:
+        """Warm the writer up for this incarnation's saves (collective): :meth:`step` calls it
+        after the incarnation's first step that is not a save, when the state is complete (a
+        fresh optimizer's moments exist only after its first step). Its time is the first saved
+        checkpoint's ``prepare`` phase, apart from that save's stall.
+        """
+        t0 = time.perf_counter()
+        scratch = self.root / f"{PREPARE_DIR}{self.generation}"
+        self.writer.prepare(state()[0], scratch, self.save_group)  # collective: every rank is done with it after
+        if self.rank == 0:
+            shutil.rmtree(scratch, ignore_errors=True)
+        self.prepare_s, self._warm = time.perf_counter() - t0, True
 
     def save(self, step: int, state: Callable[[], tuple[dict, dict]]) -> None:
         """Start a checkpoint of ``step`` now (waiting first until nothing is being written).
@@ -282,9 +314,12 @@ class Checkpointer:
         write), ``collect`` (the state dicts), ``rank_state`` (this rank's small state, written
         durably), then for an async save ``stage``, ``plan`` and ``handoff`` (the training loop
         goes on after it), ``background`` (until every rank's write is done); for a sync save
-        ``write``; then ``agree`` (every rank's part on disk) and ``publish``.
+        ``write``; then ``agree`` (every rank's part on disk) and ``publish``. The first save of
+        an incarnation also reports ``prepare`` first: the writer's warm-up (:meth:`prepare`),
+        done steps earlier, so neither in this save's stall nor in its time to durable.
         """
         pending = _Pending(step, self.root / f"{step_dir_name(step)}.tmp{self.generation}", time.time(), 0.0, [])
+        pending.prepare_s, self.prepare_s, self._warm = self.prepare_s, None, True
         pending.mark("start")
         self._poll(blocking=True)
         pending.mark("wait")
@@ -355,7 +390,7 @@ class Checkpointer:
                 blocking_s=pending.blocking_s,
                 total_s=time.time() - pending.started,
                 bytes=checkpoint_bytes(final),
-                phases=pending.phases(),
+                phases=({"prepare": pending.prepare_s} if pending.prepare_s is not None else {}) | pending.phases(),
             )
         )
         if self.on_published is not None:
@@ -398,7 +433,7 @@ class Checkpointer:
 
     def _remove_stale_temp_dirs(self) -> None:
         # Unpublished saves of dead generations can never be completed.
-        for path in self.root.glob("step_*.tmp*"):
+        for path in chain(self.root.glob("step_*.tmp*"), self.root.glob(f"{PREPARE_DIR}*")):
             shutil.rmtree(path, ignore_errors=True)
 
 

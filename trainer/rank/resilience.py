@@ -201,6 +201,20 @@ class AsyncCheckpointWriter:
             current.started = _StartedWrite(Path(directory), fs_writer, metadata, dist_wrapper, hooks)
         hooks.on_phase("write")
 
+    def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup) -> None:
+        """Allocate this incarnation's staging buffers and plan twice, writing nothing: NVRx's plan
+        cache is used from the second equal plan on, so the first save then skips the planning
+        collective like every later one (without this, the first two saves pay it).
+        """
+        current = self._incarnation(group)
+        if not self.cuda:
+            if current.staging is None:
+                current.staging = _create_cpu_state_dict(state_dict, share_memory=True)
+            state_dict = current.staging  # what start() plans: the same structure, never the live tensors
+        for _ in range(2):  # plans name files relative to the directory: the same for every save
+            plan_only = FileSystemWriterAsync(directory, thread_count=1)  # its directory is made, never written
+            save_state_dict_async_plan(state_dict, plan_only, process_group=group, enable_cache=True, metadata_cache=current.plans)
+
     def poll(self, group: dist.ProcessGroup) -> bool:
         """Collective: True once no rank's worker is busy; the write this incarnation started (if
         any) is then finalized. Raises CheckpointWriteError on every rank alike if it failed.
