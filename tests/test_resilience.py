@@ -102,9 +102,12 @@ def test_every_recovery_and_save_has_its_timeline(faulted_run: FaultedRun) -> No
         assert list(r.phases.values()) == sorted(r.phases.values()) and r.phases["first_step"] == r.recovery_s
     saves = [e for e in read_events(faulted_run.run) if isinstance(e, Checkpoint)]
     async_phases = ["wait", "collect", "rank_state", "stage", "plan", "handoff", "background", "agree", "publish"]
-    assert saves and all(list(c.phases) == async_phases and min(c.phases.values()) >= 0 for c in saves)
-    for c in saves:  # the loop stalled for the phases up to the hand-off
-        assert abs(sum(list(c.phases.values())[:6]) - c.blocking_s) < 1e-6
+    # the first save of an incarnation first reports the writer's warm-up, done steps before it
+    assert saves and list(saves[0].phases) == ["prepare", *async_phases]
+    for c in saves:
+        save_phases = {k: v for k, v in c.phases.items() if k != "prepare"}
+        assert list(save_phases) == async_phases and min(c.phases.values()) >= 0
+        assert abs(sum(list(save_phases.values())[:6]) - c.blocking_s) < 1e-6  # the loop stalled up to the hand-off
 
 
 def test_a_recurring_soft_fault_is_handed_to_in_job_restart(data_dir: Path, baseline_60: Path, tmp_path: Path) -> None:
@@ -218,9 +221,10 @@ def test_sigkill_during_background_write_never_publishes_it(data_dir: Path, tmp_
     run = tmp_path / "run"
     train(data_dir, run, "--steps", "14", "--ckpt-every", "5", "--fault", "sigkill@10/write:1")
     events = read_events(run)
-    fault_time = next(e.time for e in events if isinstance(e, FaultFired))
-    assert [e.step for e in events if isinstance(e, Checkpoint) and e.time < fault_time] == [5]
     (restart,) = restarts(run)
+    # Rank 0 may log step 5's publication just after rank 1's fault: with the save plan cached,
+    # nothing in step 10's save waits for rank 0 before rank 1 hands its write off.
+    assert [e.step for e in events if isinstance(e, Checkpoint) and e.time < restart.time] == [5]
     assert restart.layer == "in_job" and restart.resumed_from_step == 5
     for path in (run / CHECKPOINTS).glob("step_*"):
         assert ".tmp" not in path.name
