@@ -184,8 +184,9 @@ def worker(args: argparse.Namespace) -> None:
     loader = TokenLoader(load_split(Path(args.data), "train"), size.seq_len, params["batch"], rt.rank, rt.world_size)
     state = TrainState(model, optimizer, loader, RankMonitor(), ckpt_group)
     work = Path(args.work)
+    async_writer = AsyncCheckpointWriter(cuda=False)
     methods = {
-        "nvrx_async": _CheckpointerMethod(work / "nvrx_async", AsyncCheckpointWriter(cuda=False), state, ckpt_group),
+        "nvrx_async": _CheckpointerMethod(work / "nvrx_async", async_writer, state, ckpt_group),
         "torch_save": _TorchSave(work / "torch_save", state, ckpt_group),
         "dcp_save": _CheckpointerMethod(work / "dcp_save", SyncDcpWriter(), state, ckpt_group),
         "dcp_async_save": _DcpAsyncSave(work / "dcp_async_save", state, dcp_group),
@@ -203,6 +204,7 @@ def worker(args: argparse.Namespace) -> None:
         return time.perf_counter() - t0, done
 
     iteration(None)  # creates the AdamW moments: the state is complete from here on
+    async_writer.warm_up()  # where the trainer starts it: after the first step
     records = []
     for rnd, name in interleaved(METHODS, params["rounds"]):
         method = methods[name]

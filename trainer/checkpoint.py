@@ -120,6 +120,9 @@ class CheckpointWriter(Protocol):
         another group (an earlier incarnation's, after a fault) is never finalized.
         """
 
+    def warm_up(self) -> None:
+        """Start background resources now (idempotent): the first write is not their start-up."""
+
     def close(self) -> None:
         """Release background resources."""
 
@@ -137,6 +140,9 @@ class SyncDcpWriter:
     def poll(self, group: dist.ProcessGroup) -> bool:
         """Always done: the write happened inside :meth:`start`."""
         return True
+
+    def warm_up(self) -> None:
+        """Nothing runs in the background."""
 
     def close(self) -> None:
         """Nothing to release."""

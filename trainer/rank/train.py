@@ -317,6 +317,8 @@ def _train(
                 else None
             )
             progress.show(done, restart)
+        if step == start + 1:  # not before: the worker's start-up would share the cores with this one's, or a recovery
+            writer.warm_up()
         checkpointer.step(step, partial(state.snapshot, step), last=step == last or stop)  # last: waits until published
         if stop:
             break
@@ -346,7 +348,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(FATAL_EXIT_CODE)
     cuda = torch.cuda.is_available()
     die_with_parent()  # a launcher that is gone preempts this rank: nothing outlives it
-    # One writer per process: its background worker survives in-process restarts.
+    # One writer per process: its background worker survives in-process restarts. It starts after
+    # the first step (:meth:`AsyncCheckpointWriter.warm_up`).
     writer = AsyncCheckpointWriter(cuda=cuda) if cfg.ckpt_mode == "async" else SyncDcpWriter()
     primary = cfg.checkpoint_uri and os.environ.get("RANK") == "0"
     mirror = CheckpointMirror(cfg.checkpoint_uri, Path(cfg.run_dir), keep_last=cfg.keep_last) if primary else None
