@@ -92,7 +92,7 @@ def run_torchrun(
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", "1", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-        "--monitor-interval", "0.5",  # the same as our ft_launcher's
+        "--monitor-interval", "0.1",  # the same as our ft_launcher's
         "-m", module, *args,
     ]  # fmt: skip
     # By default torchrun's workers share the rendezvous store across restarts; a restarted
