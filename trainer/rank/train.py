@@ -248,6 +248,7 @@ def _train(
     if attempt.store_port is not None:  # the wrapper's monitor process, store and barrier: every rank is in this iteration
         marks["wrapper_ready"] = time.time()
     rt = detect_runtime()
+    marks["runtime"] = time.time()  # the device and deterministic kernels (a new process imports torch._dynamo here: seconds)
     timeouts = Timeouts(cfg.hang_timeout, cfg.inprocess_restart)
     store = make_store(attempt, timeouts.barrier)
     if store is not None:  # every rank has joined this attempt's store
