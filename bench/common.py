@@ -226,6 +226,23 @@ def print_table(
     (console or Console()).print(table)
 
 
+def median_stages(timelines: Sequence[dict[str, float] | None]) -> dict[str, float]:
+    """Per recovery stage, in the order first seen, the median over the ``restart`` events'
+    ``phases`` that have it of when it ended (seconds after the fault); None counts as no stage.
+    """
+    stages = list(dict.fromkeys(k for t in timelines for k in t or {}))
+    return {k: statistics.median(t[k] for t in timelines if t and k in t) for k in stages}
+
+
+def print_stages(title: str, rows: Sequence[tuple[str, dict[str, float]]]) -> None:
+    """One row per label: when each recovery stage ended, its columns in the order of the longest
+    timeline (an in-process restart has no process start or imports).
+    """
+    longest = max((stages for _, stages in rows), key=len, default={})
+    columns = list(dict.fromkeys([*longest, *(k for _, stages in rows for k in stages)]))
+    print_table(title, ["fault: method", *columns], [[label, *(fmt(stages.get(k), digits=1) for k in columns)] for label, stages in rows])
+
+
 def target(name: str, value: float | None, limit: float, *, at_least: bool = False) -> dict:
     """One of the issue's targets and whether this run met it."""
     met = value is not None and (value >= limit if at_least else value <= limit)
