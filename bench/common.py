@@ -92,7 +92,7 @@ def run_torchrun(
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", "1", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-        "--monitor-interval", "0.5",  # the same as our ft_launcher's
+        "--monitor-interval", "0.1",  # the same as our ft_launcher's
         "-m", module, *args,
     ]  # fmt: skip
     # By default torchrun's workers share the rendezvous store across restarts; a restarted
@@ -225,6 +225,23 @@ def print_table(
     for row in rows:
         table.add_row(*row)
     (console or Console()).print(table)
+
+
+def median_stages(timelines: Sequence[dict[str, float] | None]) -> dict[str, float]:
+    """Per recovery stage, in the order first seen, the median over the ``restart`` events'
+    ``phases`` that have it of when it ended (seconds after the fault); None counts as no stage.
+    """
+    stages = list(dict.fromkeys(k for t in timelines for k in t or {}))
+    return {k: statistics.median(t[k] for t in timelines if t and k in t) for k in stages}
+
+
+def print_stages(title: str, rows: Sequence[tuple[str, dict[str, float]]]) -> None:
+    """One row per label: when each recovery stage ended, its columns in the order of the longest
+    timeline (an in-process restart has no process start or imports).
+    """
+    longest = max((stages for _, stages in rows), key=len, default={})
+    columns = list(dict.fromkeys([*longest, *(k for _, stages in rows for k in stages)]))
+    print_table(title, ["fault: method", *columns], [[label, *(fmt(stages.get(k), digits=1) for k in columns)] for label, stages in rows])
 
 
 def target(name: str, value: float | None, limit: float, *, at_least: bool = False) -> dict:

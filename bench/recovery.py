@@ -21,6 +21,8 @@ from bench.common import (
     fresh_dir,
     interleaved,
     median,
+    median_stages,
+    print_stages,
     print_table,
     print_targets,
     ratio,
@@ -93,6 +95,7 @@ def run(quick: bool, work: Path, data: Path) -> dict:
             "lost_steps": median([r["lost_steps"] for r in runs]),
             "layer": runs[0]["layer"],
             "spurious_restarts": sum(r["spurious_restarts"] for r in runs),
+            "phases": median_stages([r["phases"] for r in runs]),  # when each stage of the recovery ended
             "runs": runs,
         }
     for fault in params["faults"]:
@@ -139,4 +142,8 @@ def show(result: dict) -> None:
                 )
     title = f"recovery: fault at step {p['fault_step']} on rank {p['fault_rank']}, checkpoint every {p['ckpt_every']}, {p['reps']} rep(s)"
     print_table(title, ["fault: method", "layer", "fault -> next step", "vs cold", "steps lost", "spurious restarts"], rows)
+    timelines = [
+        (f"{f}: {m}", per[f]["phases"]) for f in p["faults"] for m, per in result["methods"].items() if per.get(f, {}).get("phases")
+    ]
+    print_stages("recovery: when each stage ended (s after the fault, median; rank 0's restart event)", timelines)
     print_targets(result["targets"])

@@ -20,7 +20,7 @@ import math
 import statistics
 from pathlib import Path
 
-from bench.common import fmt, fresh_dir, print_table, print_targets, ratio, run_rfsdp, target
+from bench.common import fmt, fresh_dir, median_stages, print_stages, print_table, print_targets, ratio, run_rfsdp, target
 from bench.goodput import compare, show_methods
 from trainer.events import Step, read_events, select
 from trainer.rank.config import TrainConfig
@@ -123,14 +123,13 @@ def per_kind(methods: dict[str, dict]) -> dict[str, dict[str, dict]]:
             fs = [f for f in faults if f["kind"] == kind]
             if not fs:
                 continue
-            stages = list(dict.fromkeys(k for f in fs for k in f["phases"] or {}))
             out.setdefault(name, {})[kind] = {
                 "faults": len(fs),
                 "recovery_s": statistics.median(f["recovery_s"] for f in fs),
                 "lost_steps": statistics.fmean(f["lost_steps"] for f in fs),
                 "layers": sorted({f["layer"] for f in fs}),
                 "sources": sorted({f["source"] for f in fs}),
-                "phases": {k: statistics.median(f["phases"][k] for f in fs if k in (f["phases"] or {})) for k in stages},
+                "phases": median_stages([f["phases"] for f in fs]),
             }
     return out
 
@@ -152,9 +151,5 @@ def show(result: dict) -> None:
     ]
     columns = ["fault: method", "faults", "layer", "resumed from", "fault -> next step", "steps lost"]
     print_table("soak: per fault kind", columns, rows)
-    # In the order of the longest timeline (an in-process restart has no process start or imports).
-    longest = max((k["phases"] for _, k in kinds), key=len, default={})
-    stages = list(dict.fromkeys([*longest, *(s for _, k in kinds for s in k["phases"])]))
-    rows = [[label, *(fmt(k["phases"].get(s), digits=1) for s in stages)] for label, k in kinds]
-    print_table("soak: when each recovery stage ended (s after the fault, median)", ["fault: method", *stages], rows)
+    print_stages("soak: when each recovery stage ended (s after the fault, median)", [(label, k["phases"]) for label, k in kinds])
     print_targets(result["targets"])

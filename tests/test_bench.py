@@ -78,6 +78,8 @@ def test_quick_benchmark_writes_json(name: str, tmp_path: Path) -> None:
             run = per_fault["exception"]
             assert _finite(run["recovery_s"]) and run["recovery_s"] > 0 and run["lost_steps"] >= 0
             assert run["layer"] == {"inprocess": "in_process", "ft_injob": "in_job", "torchrun": "in_job", "cold": "cold"}[method]
+            # The restart event's timeline (a cold restart writes none), ending with the first step.
+            assert list(run["phases"])[-1:] == ([] if method == "cold" else ["first_step"])
     elif name == "overhead":
         assert all(_finite(m["steps_per_s"]) and m["steps_per_s"] > 0 for m in bench["methods"].values())
         assert _finite(bench["overhead"])

@@ -97,8 +97,10 @@ def test_every_recovery_and_save_has_its_timeline(faulted_run: FaultedRun) -> No
     """Where each second went, from the events a production run writes: phases in order, ending
     with the recovery (or the save's publication)."""
     for r in restarts(faulted_run.run):
-        new_process = ["process_started", "imports_done"] if r.layer == "in_job" else []
-        assert list(r.phases) == [*new_process, "process_group", "model_built", "resumed", "first_step"], r
+        new_process = ["process_started", "imports_done", "set_up"] if r.layer == "in_job" else []
+        stages = ["wrapper_ready", "runtime", "store", "default_group", "process_group", "rank_monitor"]
+        stages += ["model_built", "resumed", "first_step"]
+        assert list(r.phases) == [*new_process, *stages], r
         assert list(r.phases.values()) == sorted(r.phases.values()) and r.phases["first_step"] == r.recovery_s
     saves = [e for e in read_events(faulted_run.run) if isinstance(e, Checkpoint)]
     async_phases = ["wait", "collect", "rank_state", "stage", "plan", "handoff", "background", "agree", "publish"]

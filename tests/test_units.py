@@ -206,6 +206,10 @@ def test_outside_internals_the_async_writer_relies_on() -> None:
     assert importlib.metadata.version("nvidia-resiliency-ext") == "0.4.1"
     caller = PersistentAsyncCaller()
     assert caller.process is None and hasattr(caller.queue, "put") and hasattr(caller.comp_q, "get_nowait")
+    assert hasattr(caller.preload_q, "get")
+    # The worker loop, started by the writer itself (NVRx always spawns it).
+    assert list(inspect.signature(PersistentAsyncCaller.async_loop).parameters) == ["rank", "queue", "preload_q", "comp_q", "log_level"]
+    assert "if self.process is None:" in inspect.getsource(PersistentAsyncCaller.schedule_async_call)
     # The worker replaces the request's second argument with the preloaded buckets (CUDA).
     assert "async_fn_args[1] = item.preload_fn()" in inspect.getsource(PersistentAsyncCaller.async_loop)
     save_fn = filesystem_async.FileSystemWriterAsync.write_preloaded_data_multiproc

@@ -12,6 +12,8 @@ import contextlib
 import datetime
 import hashlib
 import io
+import logging
+import multiprocessing
 import os
 import pickle
 import queue
@@ -50,9 +52,11 @@ PORT_BASE_ENV = "RFSDP_PORT_BASE"
 
 # ------------------------------------------------------------------ async checkpoints
 # NVRx internals used here (nvidia-resiliency-ext 0.4.1), pinned by tests/test_units.py:
-# - ``PersistentAsyncCaller``'s ``process``, ``queue`` and ``comp_q`` attributes: to respawn a dead
-#   worker, to stop it without NVRx's ``close()`` (which joins a queue a dead worker never answers),
-#   and to empty the completion queue we do not read (its feeder would block the worker's exit).
+# - ``PersistentAsyncCaller``'s ``process``, ``queue``, ``preload_q`` and ``comp_q`` attributes and its
+#   worker loop ``async_loop(rank, queue, preload_q, comp_q, log_level)``: to start the worker
+#   ourselves (NVRx always spawns it; on CPU it is forked here), to respawn a dead one, to stop it
+#   without NVRx's ``close()`` (which joins a queue a dead worker never answers), and to empty the
+#   completion queue we do not read (its feeder would block the worker's exit).
 # - ``filesystem_async._results_queue``: NVRx's writer takes its results queue from this global,
 #   creating it with a multiprocessing Manager (a spawned server process: seconds, on the path of
 #   every in-job restart, or in the first save's stall). The worker here reports into a queue of
@@ -86,14 +90,17 @@ def _write_shard(done: torch.Tensor, request_id: int, save_fn: Callable | None, 
     done[0] = request_id
 
 
-def _warm_up() -> None:
-    """The first request of every worker: it imports what it needs before the first write
-    arrives, and sets how it ends. A preemption's SIGTERM reaches the rank's whole process group:
-    the worker ignores it, to finish the writes the rank's last checkpoint needs; it dies with
-    its rank instead, so it never outlives it.
+def _worker_main(rank_pid: int, *loop_args: object) -> None:
+    """The background worker: NVRx's worker loop, ended with its rank. A preemption's SIGTERM
+    reaches the rank's whole process group: the worker ignores it, to finish the writes the rank's
+    last checkpoint needs; it dies with its rank instead (and at once if the rank is gone
+    already), so it never outlives it.
     """
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     die_with_parent(signal.SIGKILL)
+    if os.getppid() != rank_pid:
+        os._exit(0)
+    PersistentAsyncCaller.async_loop(*loop_args)
 
 
 _NEVER_READ_RESULTS_QUEUE = queue.SimpleQueue()
@@ -171,11 +178,15 @@ class AsyncCheckpointWriter:
         self._sent = 0  # last request handed to the worker
         self._caller: PersistentAsyncCaller | None = None
         self._current: _Incarnation | None = None
-        # Start the worker (a spawned interpreter: seconds) now, in the background: the warm-up is
-        # not a write the training loop waits for; the first write queues behind it.
         if filesystem_async._results_queue is None:
             filesystem_async._results_queue = _NEVER_READ_RESULTS_QUEUE
-        self._ensure_worker()
+        # CPU: the worker is forked now, before the training state exists: milliseconds, with
+        # nothing to import and no page of the state to copy on write. CUDA cannot be forked:
+        # there it is a spawned interpreter, seconds of CPU, started by :meth:`prepare` (after
+        # the incarnation's first step, so that start-up and a recovery run without it) or by the
+        # first write. The training loop never waits for a worker to start: a write queues behind it.
+        if not cuda:
+            self._ensure_worker()
 
     def start(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:
         """Stage, plan (collective) and hand the write to the background worker. Call it only
@@ -202,10 +213,12 @@ class AsyncCheckpointWriter:
         hooks.on_phase("write")
 
     def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup) -> None:
-        """Allocate this incarnation's staging buffers and plan twice, writing nothing: NVRx's plan
-        cache is used from the second equal plan on, so the first save then skips the planning
-        collective like every later one (without this, the first two saves pay it).
+        """Start the worker unless it runs; allocate this incarnation's staging buffers and plan
+        twice, writing nothing: NVRx's plan cache is used from the second equal plan on, so the
+        first save then skips the planning collective like every later one (without this, the
+        first two saves pay it).
         """
+        self._ensure_worker()
         current = self._incarnation(group)
         if not self.cuda:
             if current.staging is None:
@@ -257,13 +270,18 @@ class AsyncCheckpointWriter:
         _drain(self._caller.comp_q)  # NVRx's completion queue: unread, emptied here inside the atomic section
 
     def _ensure_worker(self) -> None:
-        """A live worker: a new one (after a dead one) is spawned and warmed up first."""
+        """A live worker: a new one is started (also after a dead one), forked on CPU, spawned on CUDA."""
         if self._caller is None or (self._caller.process is not None and not self._caller.process.is_alive()):
             if self._caller is not None:
                 self._caller.process = None  # dead: nothing to join
-            self._caller = PersistentAsyncCaller()
-            self._caller.rank = int(os.environ.get("RANK", 0))
-            self._caller.schedule_async_call(AsyncRequest(_warm_up, (), []))
+            caller = PersistentAsyncCaller()
+            caller.rank = int(os.environ.get("RANK", 0))
+            log_level = logging.getLogger(PersistentAsyncCaller.__module__).getEffectiveLevel()  # as NVRx passes it
+            loop_args = (caller.rank, caller.queue, caller.preload_q, caller.comp_q, log_level)
+            context = multiprocessing.get_context("spawn" if self.cuda else "fork")
+            caller.process = context.Process(target=_worker_main, args=(os.getpid(), *loop_args))
+            caller.process.start()  # NVRx's schedule_async_call starts none once it has one
+            self._caller = caller
 
 
 def _agree_and_finalize(started: _StartedWrite, group: dist.ProcessGroup) -> None:

@@ -200,12 +200,20 @@ class ProgressLines:
             print(done.describe(self.last, self.restarts), flush=True)
 
 
-def train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror | None, preemption: Preemption, attempt: Attempt) -> None:
-    """One incarnation of the training function (``mirror``: rank 0's, if any). An error no
-    restart can fix ends the job here, before in-process restart could retry it.
+def train(
+    cfg: TrainConfig,
+    writer: CheckpointWriter,
+    mirror: CheckpointMirror | None,
+    preemption: Preemption,
+    startup: dict[str, float],
+    attempt: Attempt,
+) -> None:
+    """One incarnation of the training function (``mirror``: rank 0's, if any; ``startup``: when
+    this process's start-up stages ended, unix times). An error no restart can fix ends the job
+    here, before in-process restart could retry it.
     """
     try:
-        _train(cfg, writer, mirror, preemption, attempt)
+        _train(cfg, writer, mirror, preemption, startup, attempt)
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         if (cause := non_transient_cause(e)) is None:
             raise
@@ -228,11 +236,25 @@ def _job_id() -> str:
     return os.environ.get("TORCHELASTIC_RUN_ID", "")
 
 
-def _train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror | None, preemption: Preemption, attempt: Attempt) -> None:
-    marks = {"process_started": process_start_time(), "imports_done": IMPORTED_AT}  # a recovery's timeline
+def _train(
+    cfg: TrainConfig,
+    writer: CheckpointWriter,
+    mirror: CheckpointMirror | None,
+    preemption: Preemption,
+    startup: dict[str, float],
+    attempt: Attempt,
+) -> None:
+    marks = dict(startup)  # a recovery's timeline (the restart event's phases): when each stage ended
+    if attempt.store_port is not None:  # the wrapper's monitor process, store and barrier: every rank is in this iteration
+        marks["wrapper_ready"] = time.time()
     rt = detect_runtime()
+    marks["runtime"] = time.time()  # the device and deterministic kernels (a new process imports torch._dynamo here: seconds)
     timeouts = Timeouts(cfg.hang_timeout, cfg.inprocess_restart)
-    init_process_group(rt, make_store(attempt, timeouts.barrier), timeouts.collective)
+    store = make_store(attempt, timeouts.barrier)
+    if store is not None:  # every rank has joined this attempt's store
+        marks["store"] = time.time()
+    init_process_group(rt, store, timeouts.collective)
+    marks["default_group"] = time.time()
     # Checkpoint collectives get their own gloo groups: they must never interleave with FSDP's.
     # Resume waits while rank 0 verifies checksums: a long timeout. An async save's collectives in
     # the loop are quick polls: they time out like training's, so a peer that faulted never holds
@@ -247,6 +269,7 @@ def _train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror 
     layer = recovery_layer(prior, in_process_iteration=attempt.in_process_iteration, in_job_restart=attempt.in_job_restart)
 
     monitor = RankMonitor()
+    marks["rank_monitor"] = time.time()
     model = build_fsdp_model(cfg.size, rt, cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     loader = TokenLoader(load_split(local_data(cfg.data, run_dir), "train"), cfg.size.seq_len, cfg.batch_size, rt.rank, rt.world_size)
@@ -317,26 +340,29 @@ def main(argv: list[str] | None = None) -> None:
     # ft_launcher restarts failed ranks whatever the cause: after a fatal error met since this
     # launcher started, its restarts end at once. (The job id alone is not enough: on Kubernetes it
     # is "none" unless elasticPolicy.rdzvId is set. A new job, once the cause is fixed, starts normally.)
+    startup = {"process_started": process_start_time(), "imports_done": IMPORTED_AT}
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     if restarted and (fatal := fatal_error(read_events(Path(cfg.run_dir)), _job_id(), since=process_start_time(os.getppid()))):
         print(f"rank {os.environ.get('RANK')}: not restarting, the job met an error no restart can fix: {fatal.error}", file=sys.stderr)
         sys.exit(FATAL_EXIT_CODE)
     cuda = torch.cuda.is_available()
     die_with_parent()  # a launcher that is gone preempts this rank: nothing outlives it
-    # One writer per process: its background worker survives in-process restarts.
+    # One writer per process: its background worker survives in-process restarts (forked at once
+    # on CPU; on CUDA spawned after the first step: :meth:`Checkpointer.prepare`).
     writer = AsyncCheckpointWriter(cuda=cuda) if cfg.ckpt_mode == "async" else SyncDcpWriter()
     primary = cfg.checkpoint_uri and os.environ.get("RANK") == "0"
     mirror = CheckpointMirror(cfg.checkpoint_uri, Path(cfg.run_dir), keep_last=cfg.keep_last) if primary else None
     preemption = Preemption()
     preemption.install()
     start_system_sampler(Path(cfg.run_dir), cfg.system_metrics_every)  # per process: it outlives in-process restarts
+    startup["set_up"] = time.time()  # this process's own set-up (the checks above, the writer, the handlers)
     try:
         if cfg.inprocess_restart:
             timeouts = Timeouts(cfg.hang_timeout, True)
-            restartable = partial(train, cfg, writer, mirror, preemption)
+            restartable = partial(train, cfg, writer, mirror, preemption, startup)
             run_restartable(restartable, timeouts, cuda=cuda, max_restarts=cfg.max_inprocess_restarts)
         else:
-            train(cfg, writer, mirror, preemption, Attempt())
+            train(cfg, writer, mirror, preemption, startup, Attempt())
     except BaseException:
         # A failing rank leaves at once: the launcher restarts the job as soon as it is gone. Its
         # background writer dies with it (PDEATHSIG) and what it was writing is never published;
