@@ -145,6 +145,7 @@ class FaultInjector:
 
     def __init__(self, faults: list[Fault], run_dir: Path, rank: int, events: EventLog, *, local_dir: Path | None = None) -> None:
         self.pending = {(f.step, f.phase): f for f in faults if isinstance(f, Fault) and f.rank == rank}
+        self.rank = rank
         self.run_dir = Path(run_dir)
         self.events = events
         self.local_dir = local_dir
@@ -170,7 +171,7 @@ class FaultInjector:
             os.kill(os.getppid(), signal.SIGTERM)  # other ranks; this rank gets it now, so the stop step is this one
             os.kill(os.getpid(), signal.SIGTERM)
         if fault.kind == "corrupt-local":  # bit rot in node memory, then a fault that makes the run resume
-            newest = max(self.local_dir.glob("iter_*_local.pt"))  # zero-padded steps: the newest sorts last
+            newest = max(self.local_dir.glob(f"iter_*_{self.rank}_local.pt"))  # its own (not a replica); zero-padded: newest last
             with open(newest, "r+b") as f:
                 f.seek(newest.stat().st_size // 2)
                 byte = f.read(1)[0]
