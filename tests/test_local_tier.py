@@ -51,6 +51,7 @@ def test_snapshots_are_bounded_checksummed_and_a_corrupt_one_is_skipped(one_rank
     tier = LocalTier(tmp_path / "tier" / "run", every=2, group=one_rank, save_group=one_rank, events=EventLog(tmp_path / "run", 0))
     for step in range(1, 8):
         tier.step(step, lambda step=step: {"w": torch.full((4,), float(step)), "rank": {"step": step}})
+    tier.finish()  # the write in flight (step 6): done, and it counts
     assert snapshot_names(tier.directory) == ["iter_0000004_0_local.pt", "iter_0000006_0_local.pt"]  # at most two
     assert all((tier.directory / f"{name}.sha256").is_file() for name in snapshot_names(tier.directory))
     (tier.directory / "iter_0000008_0_local.pt").write_bytes(b"torn: no checksum written after it")
@@ -65,6 +66,7 @@ def test_snapshots_are_bounded_checksummed_and_a_corrupt_one_is_skipped(one_rank
     (skipped,) = [e for e in read_events(tmp_path / "run") if isinstance(e, RunWarning)]
     assert (skipped.kind, skipped.step) == ("local_snapshot_skipped", 6) and "checksum" in skipped.reason
     tier.step(8, lambda: {"w": torch.zeros(1), "rank": {}})  # prunes down to the one resumed from
+    tier.finish()
     assert snapshot_names(tier.directory) == ["iter_0000004_0_local.pt", "iter_0000008_0_local.pt"]
 
     published = [e for e in read_events(tmp_path / "run") if isinstance(e, Checkpoint)]
@@ -72,6 +74,23 @@ def test_snapshots_are_bounded_checksummed_and_a_corrupt_one_is_skipped(one_rank
     assert summarize(read_events(tmp_path / "run"))["checkpoints"] == 0  # the durable figures count durable ones only
     tier.remove()
     assert not tier.root.exists()
+
+
+def test_the_background_write_keeps_the_state_it_was_handed(one_rank: dist.ProcessGroup, tmp_path: Path) -> None:
+    """The snapshot is written beside training, which changes the live tensors in place: what is
+    written is the copy taken when the save was handed over. The next incarnation (an in-process
+    restart, which never agreed on that write) waits for it before it looks at the snapshots."""
+    (tmp_path / "run").mkdir()
+
+    def tier() -> LocalTier:
+        return LocalTier(tmp_path / "tier" / "run", every=1, group=one_rank, save_group=one_rank, events=EventLog(tmp_path / "run", 0))
+
+    live = torch.arange(1 << 22, dtype=torch.float32)  # 16 MiB
+    tier().step(1, lambda: {"w": live, "rank": {"step": 1}})
+    live.add_(1.0)  # the next optimizer step, while the write may still be going
+    again = tier()
+    assert again.find_latest() == (1, "local")
+    assert torch.equal(again.load(1)["w"], torch.arange(1 << 22, dtype=torch.float32))
 
 
 # ------------------------------------------------------------------ peer replicas
@@ -168,6 +187,7 @@ REPLICA_PROBE = textwrap.dedent(
         for step in (1, 2, 3):
             state = {"w": torch.full((3, 2), 10.0 * rank + step), "rank": {"step": step, "rng": torch.get_rng_state()}}
             first.step(step, lambda state=state: state)
+        first.finish()
         held = sorted(p.name for p in first.directory.glob("iter_*_local.pt"))
         dist.barrier(group)
         if rank == 0:  # bit rot in rank 0's own newest snapshot; rank 1 holds a replica of it

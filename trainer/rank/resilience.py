@@ -17,6 +17,7 @@ import pickle
 import queue
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,7 +33,6 @@ from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest, Pe
 from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
 from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import CheckpointMetadataCache, save_state_dict_async_plan
 from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
-from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager import CheckpointingException
 from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
 from nvidia_resiliency_ext.checkpointing.local.replication.group_utils import GroupWrapper
 from nvidia_resiliency_ext.checkpointing.local.replication.strategies import CliqueReplicationStrategy
@@ -503,17 +503,52 @@ class _ChecksummedLocalManager(LocalCheckpointManager):
                 path.unlink(missing_ok=True)
 
 
+def _stage(tree: object, buffers: dict, path: tuple = ()) -> object:
+    """``tree`` with every tensor copied into this rank's reused host buffer for its place
+    (``buffers``, made on first use): what the background write reads while training goes on.
+    """
+    if isinstance(tree, dict):
+        return {k: _stage(v, buffers, (*path, k)) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_stage(v, buffers, (*path, i)) for i, v in enumerate(tree)]
+    if not isinstance(tree, torch.Tensor):
+        return tree  # plain values: built afresh for each snapshot, never changed after
+    buffer = buffers.get(path)
+    if buffer is None or buffer.shape != tree.shape or buffer.dtype != tree.dtype:
+        buffer = buffers[path] = torch.empty_like(tree, device="cpu")
+    return buffer.copy_(tree)
+
+
+@dataclass(slots=True)
+class _LocalWrite:
+    """A snapshot handed to the background thread, and how its write ended."""
+
+    step: int
+    started: float
+    """``time.perf_counter()`` when its save began."""
+    blocking_s: float
+    """The training thread's stall handing it over (staging, the replicas' exchange)."""
+    phases: dict[str, float]
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+
 class LocalTier:
     """The local tier: every ``every`` steps each rank's state goes to node-local memory, at most
     two snapshots per rank and per clique member it holds replicas of (the newest complete one and
-    the one being written, or after a write the two newest); recovery takes the newest step every
-    rank can load, from its own snapshot or else from a peer's replica.
+    the one being written); recovery takes the newest step every rank can load, from its own
+    snapshot or else from a peer's replica.
 
-    The write is synchronous, in the training thread (a memory copy into ``/dev/shm``): nothing
-    runs beside training's collectives, and a snapshot is complete before the next step changes
-    the state. Its collectives (the replicas' exchange in its clique, then one agreeing that every
-    rank wrote), and those of :meth:`find_latest` and :meth:`load`, are on checkpoint groups, never
-    on the default group.
+    The training thread copies the state into reused host buffers (and, with replicas, exchanges
+    it within its clique, a collective) and hands it to a background thread, which writes it to
+    ``/dev/shm`` (hashed as it is written, the checksum sidecar last). The next save first waits
+    for that write and agrees with every rank that all of theirs succeeded (one small collective,
+    in the training thread, so never beside training's own): only then does it count (its
+    ``checkpoint`` event, the pruning that keeps it) and the buffers are reused. At resume a
+    snapshot counts only if every rank verifies it, whoever wrote it. A write runs on when the
+    training thread is interrupted (in-process restart): the next incarnation waits for it before
+    it looks at the snapshots, as the async writer's next save waits for an abandoned write. Every
+    collective is on checkpoint groups, never on the default group.
 
     Args:
         root: this run's folder on this node (``trainer.checkpoint.local_tier_dir``).
@@ -545,6 +580,15 @@ class LocalTier:
         """This rank's newest complete snapshot step (0: none); kept by the next save's pruning."""
         self._available: list = []
         """Per rank, the snapshots (ids) it holds and verified, as :meth:`find_latest` found them."""
+        self._buffers: dict = {}
+        self._pending: _LocalWrite | None = None
+        """The write this incarnation handed over and has not agreed on yet."""
+        if (abandoned := LocalTier._in_flight) is not None and abandoned.thread is not None and abandoned.thread.ident is not None:
+            abandoned.thread.join()  # a memory copy: short. What it wrote counts if every rank verifies it.
+        LocalTier._in_flight = None
+
+    _in_flight: _LocalWrite | None = None
+    """The write last handed over in this process, whichever incarnation did (one thread at a time)."""
 
     @property
     def directory(self) -> Path:
@@ -557,46 +601,79 @@ class LocalTier:
             self.save(step, state)
 
     def save(self, step: int, state: Callable[[], dict]) -> None:
-        """Write this rank's ``state()`` (a nested dict of host tensors and plain values) as the
-        snapshot of ``step``, then agree with every rank that all wrote theirs. Its phases are
-        timed (the ``checkpoint`` event's): ``collect``, ``replicate`` (with replicas: the clique's
-        exchange, a collective), ``write`` (this rank's snapshot and the replicas it holds, with
-        their checksums), ``agree``. A failed write is not fatal: ``checkpoint_failed`` (tier
-        ``local``), retried at the next one.
+        """Hand this rank's ``state()`` (a nested dict of tensors and plain values) to the
+        background write as the snapshot of ``step``, after completing the previous one
+        (:meth:`finish`). Its phases are timed (the ``checkpoint`` event's): ``collect`` (the copy
+        into the buffers), ``replicate`` (with replicas: the clique's exchange), ``write`` (in the
+        background: this rank's snapshot and the replicas it holds, with their checksums),
+        ``agree``. A failed write is not fatal: ``checkpoint_failed`` (tier ``local``), retried at
+        the next one.
         """
+        self.finish()
         started = time.perf_counter()
         ckpt_id = self.manager._ckpt_id(step)
-        snapshots = {ckpt_id: _HostStateDict(state())}
+        snapshots = {ckpt_id: _HostStateDict(_stage(state(), self._buffers))}
         collected = time.perf_counter()
         if self.replication is not None:  # every clique member's snapshot of this step, its own included
             states, ids = self.replication.replicate(snapshots[ckpt_id], ckpt_id)
             snapshots = dict(zip(ids, states, strict=True))
         replicated = time.perf_counter()
-        error = None
+        phases = {"collect": collected - started} | ({"replicate": replicated - collected} if self.replication is not None else {})
+        write = _LocalWrite(step, started, blocking_s=0.0, phases=phases)
+        write.thread = threading.Thread(target=self._write, args=(write, snapshots), name="local-tier-write", daemon=True)
+        self._pending = LocalTier._in_flight = write
+        write.thread.start()
+        write.blocking_s = time.perf_counter() - started
+
+    def _write(self, write: _LocalWrite, snapshots: dict) -> None:
+        """The background thread: prune to the newest complete step, then write ``snapshots``."""
+        began = time.perf_counter()
         try:
             self.manager.prune(keep=self.newest)  # at most two steps: the newest complete one and this one
             self.manager._save_fn(snapshots)
-        except (OSError, CheckpointingException) as e:
-            error = e
-        written = time.perf_counter()
-        ok = torch.tensor([int(error is None)], dtype=torch.int32)
+        except Exception as e:  # reported to every rank by the next agreement
+            write.error = e
+        write.phases["write"] = time.perf_counter() - began
+
+    def finish(self) -> None:
+        """Collective on ``save_group`` (every rank, also with nothing handed over): wait for the
+        write handed over last and agree whether every rank's succeeded; it then counts. Call it
+        once training is done too, before the snapshots are kept or removed.
+        """
+        write, self._pending = self._pending, None
+        if write is None:
+            return
+        entered = time.perf_counter()
+        write.thread.join()  # a write slower than the steps between two saves stalls the loop here
+        joined = time.perf_counter()
+        ok = torch.tensor([int(write.error is None)], dtype=torch.int32)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.save_group)
         agreed = time.perf_counter()
         if ok.item():
-            self.newest = step
+            self.newest = write.step
         if self.rank != 0:
             return
         if not ok.item():
-            self.events.emit(CheckpointFailed(step=step, mode="sync", tier="local", error=f"{error or 'failed on another rank'}"))
+            self.events.emit(
+                CheckpointFailed(step=write.step, mode="async", tier="local", error=f"{write.error or 'failed on another rank'}")
+            )
             return
-        path = self.manager._local_ckpt_path_from_id(ckpt_id)
-        phases = {"collect": collected - started, "write": written - replicated, "agree": agreed - written}
-        if self.replication is not None:
-            phases["replicate"] = replicated - collected
-        stall = agreed - started
+        path = self.manager._local_ckpt_path_from_id(self.manager._ckpt_id(write.step))
+        phases = {**write.phases, "wait": joined - entered, "agree": agreed - joined}
         self.events.emit(
-            Checkpoint(step=step, mode="sync", tier="local", blocking_s=stall, total_s=stall, bytes=path.stat().st_size, phases=phases)
-        )
+            Checkpoint(
+                step=write.step, mode="async", tier="local", blocking_s=write.blocking_s + (agreed - entered),
+                total_s=agreed - write.started, bytes=path.stat().st_size, phases=phases,
+            )
+        )  # fmt: skip
+
+    def newest_own(self) -> Path:
+        """This rank's own newest snapshot file, once the write in flight is done (what
+        ``corrupt-local`` hits).
+        """
+        if self._pending is not None:
+            self._pending.thread.join()
+        return max(self.directory.glob(f"iter_*_{self.rank}_local.pt"))  # zero-padded steps: the newest sorts last
 
     def find_latest(self) -> tuple[int, str]:
         """Collective on ``group``: the newest step of which every rank's snapshot is held and
@@ -635,7 +712,7 @@ class LocalTier:
         return self.retrieval.retrieve_execute(plan, mine)[ckpt_id].state_dict
 
     def remove(self) -> None:
-        """Remove this rank's snapshots, and the run's folder once no rank has any left."""
+        """Remove this rank's snapshots, and the run's folder once no rank has any left (after :meth:`finish`)."""
         shutil.rmtree(self.manager.local_ckpt_dir, ignore_errors=True)
         with contextlib.suppress(OSError):  # another rank of this node still has its folder there
             self.root.rmdir()

@@ -270,7 +270,7 @@ def _train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror 
             tier_dir, every=cfg.local_ckpt_every, group=ckpt_group, save_group=save_group, events=events,
             replication=replication_groups(cliques, resume_timeout_s=timeouts.barrier, save_timeout_s=save_timeout),
         )  # fmt: skip
-    faults = FaultInjector(cfg.faults, run_dir, rt.rank, events, local_dir=local.directory if local else None)
+    faults = FaultInjector(cfg.faults, run_dir, rt.rank, events, local_newest=local.newest_own if local else None)
     marks["model_built"] = time.time()
 
     def alive() -> None:
@@ -317,8 +317,10 @@ def _train(cfg: TrainConfig, writer: CheckpointWriter, mirror: CheckpointMirror 
             local.step(step, partial(state.local_snapshot, step))
     monitor.stop()
     status = "preempted" if stop else "completed" if last == cfg.steps else "stopped"
-    if local is not None and status == "completed":  # a run stopped or preempted may be resumed
-        local.remove()
+    if local is not None:
+        local.finish()  # the write in flight: done and agreed on
+        if status == "completed":  # a run stopped or preempted may be resumed
+            local.remove()
     if rt.rank == 0:
         events.emit(RunEnd(status=status, step=step))
     dist.destroy_process_group()
