@@ -627,6 +627,10 @@ class LocalTier:
 
     def _write(self, write: _LocalWrite, snapshots: dict) -> None:
         """The background thread: prune to the newest complete step, then write ``snapshots``."""
+        # Lowest CPU priority (Linux: per thread): the write has until the next snapshot, and on a
+        # node whose cores the ranks keep busy it should take their idle moments, not their time.
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         began = time.perf_counter()
         try:
             self.manager.prune(keep=self.newest)  # at most two steps: the newest complete one and this one
