@@ -9,6 +9,7 @@ def check_run(
     ckpt_every: int,
     ckpt_mode: str,
     local_ckpt_every: int,
+    local_replicas: int,
     nnodes: int,
     nproc_per_node: int,
     max_restarts: int,

@@ -12,6 +12,7 @@ def train(
     ckpt_every: int,
     ckpt_mode: str,
     local_ckpt_every: int,
+    local_replicas: int,
     nnodes: int,
     nproc_per_node: int,
     max_restarts: int,
@@ -53,6 +54,7 @@ def train(
         ckpt_every: checkpoint interval in steps.
         ckpt_mode: ``async`` or ``sync``.
         local_ckpt_every: local snapshot interval in steps, to each node's memory (0 off).
+        local_replicas: peer copies of each rank's local snapshots on other nodes (-1: 1 when nnodes > 1 and the tier is on).
         nnodes: replicas (PyTorchJob Worker pods).
         nproc_per_node: worker processes per replica.
         max_restarts: in-job restarts ft_launcher may do.

@@ -92,6 +92,7 @@ def resilient_fsdp_training(
     ckpt_every: int = TRAIN["ckpt_every"],
     ckpt_mode: str = TRAIN["ckpt_mode"],
     local_ckpt_every: int = TRAIN["local_ckpt_every"],
+    local_replicas: int = TRAIN["local_replicas"],
     nnodes: int = LAUNCH.nnodes,
     nproc_per_node: int = LAUNCH.nproc_per_node,
     max_restarts: int = LAUNCH.max_restarts,
@@ -123,6 +124,8 @@ def resilient_fsdp_training(
         ckpt_mode: Checkpoint writer: async (NVRx background writer) or sync (blocking baseline).
         local_ckpt_every: Local snapshot interval in steps: each rank's state also goes to its node's memory (/dev/shm,
             sized for it), and a recovery resumes from it when it is newer than the durable checkpoint (0 = off).
+        local_replicas: Peer copies of each rank's local snapshots, held on other nodes, so that a replaced node's state comes
+            back from a peer (-1 = 1 when nnodes > 1 and local_ckpt_every is on, else 0; fewer than nnodes).
         nnodes: Replicas: PyTorchJob Worker pods (kubernetes) or ft_launcher processes (local).
         nproc_per_node: Worker processes per replica (one per GPU with gpus=true).
         max_restarts: In-job restarts ft_launcher may do before the job fails.
@@ -156,7 +159,8 @@ def resilient_fsdp_training(
     ).set_display_name("log to MLflow")
     with dsl.ExitHandler(logged, name="run"):
         checked = check_run(
-            steps=steps, ckpt_every=ckpt_every, ckpt_mode=ckpt_mode, local_ckpt_every=local_ckpt_every, nnodes=nnodes,
+            steps=steps, ckpt_every=ckpt_every, ckpt_mode=ckpt_mode, local_ckpt_every=local_ckpt_every, local_replicas=local_replicas,
+            nnodes=nnodes,
             nproc_per_node=nproc_per_node,
             max_restarts=max_restarts, inprocess_restart=inprocess_restart, fault=fault, model=model, seed=seed,
             hang_timeout=hang_timeout, grace_period=grace_period, system_metrics_every=system_metrics_every, backend=backend,
@@ -168,6 +172,7 @@ def resilient_fsdp_training(
         data = prepare_data(source=source, training_run=name, pipeline_job_id=job_id).set_display_name("prepare data")
         trained = train(
             data=data.outputs["data"], steps=steps, ckpt_every=ckpt_every, ckpt_mode=ckpt_mode, local_ckpt_every=local_ckpt_every,
+            local_replicas=local_replicas,
             nnodes=nnodes,
             nproc_per_node=nproc_per_node, max_restarts=max_restarts, inprocess_restart=inprocess_restart, fault=fault,
             model=model, seed=seed, hang_timeout=hang_timeout, grace_period=grace_period,

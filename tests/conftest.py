@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import shutil
 import subprocess
@@ -16,9 +17,11 @@ from tests.reaper import (
     reap_test_processes,  # noqa: F401 (autouse: a test's processes end with it)
     untagged_env,
 )
+from trainer.checkpoint import local_tier_dir
 from trainer.data import BUILTIN_CORPUS
 from trainer.data.shards import builtin_corpus_text, prepare_tokens
 from trainer.events import final_losses, read_events
+from trainer.rank.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
@@ -63,6 +66,12 @@ def train(data: Path, run_dir: Path, *extra: str, check: bool = True, timeout: f
 
 def losses(run_dir: Path) -> dict[int, float]:
     return final_losses(read_events(run_dir))
+
+
+def tier_of(run: Path) -> Path:
+    """The run's local tier folder on this machine (from the config the launcher recorded)."""
+    cfg = TrainConfig.from_mapping({**json.loads((run / "config.json").read_text()), "data": "-", "run_dir": str(run)})
+    return local_tier_dir(run, cfg.trajectory_hash())
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import shutil
+import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,24 +19,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conftest import losses, rfsdp, train
-from trainer.checkpoint import local_tier_dir
+from tests.conftest import ROOT, losses, rfsdp, tier_of, train
 from trainer.errors import ParameterError
 from trainer.events import Checkpoint, EventLog, Restart, RunWarning, read_events, select, summarize
 from trainer.launch import WORKSPACE_MOUNT
 from trainer.launch.k8s import ClusterOptions, build_pytorchjob, quantity_bytes
-from trainer.launch.local import check_local_tier, local_tier_bytes
+from trainer.launch.local import check_local_replicas, check_local_tier, local_tier_bytes
 from trainer.launch.spec import LaunchSpec
-from trainer.rank.config import TrainConfig
+from trainer.rank.config import TrainConfig, replica_cliques
 from trainer.rank.resilience import LocalTier
 
 LOCAL = ("--ckpt-every", "10", "--local-ckpt-every", "1")
-
-
-def tier_of(run: Path) -> Path:
-    """The run's local tier folder on this machine (from the config the launcher recorded)."""
-    cfg = TrainConfig.from_mapping({**json.loads((run / "config.json").read_text()), "data": "-", "run_dir": str(run)})
-    return local_tier_dir(run, cfg.trajectory_hash())
 
 
 def snapshot_names(folder: Path) -> list[str]:
@@ -54,20 +51,22 @@ def test_snapshots_are_bounded_checksummed_and_a_corrupt_one_is_skipped(one_rank
     tier = LocalTier(tmp_path / "tier" / "run", every=2, group=one_rank, save_group=one_rank, events=EventLog(tmp_path / "run", 0))
     for step in range(1, 8):
         tier.step(step, lambda step=step: {"w": torch.full((4,), float(step)), "rank": {"step": step}})
+    tier.finish()  # the write in flight (step 6): done, and it counts
     assert snapshot_names(tier.directory) == ["iter_0000004_0_local.pt", "iter_0000006_0_local.pt"]  # at most two
     assert all((tier.directory / f"{name}.sha256").is_file() for name in snapshot_names(tier.directory))
     (tier.directory / "iter_0000008_0_local.pt").write_bytes(b"torn: no checksum written after it")
-    assert tier.find_latest() == 6  # a file without its sidecar is not a snapshot
+    assert tier.find_latest() == (6, "local")  # a file without its sidecar is not a snapshot
     assert torch.equal(tier.load(6)["w"], torch.full((4,), 6.0))
 
     newest = tier.directory / "iter_0000006_0_local.pt"
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0xFF
     newest.write_bytes(bytes(data))
-    assert tier.find_latest() == 4
+    assert tier.find_latest() == (4, "local")
     (skipped,) = [e for e in read_events(tmp_path / "run") if isinstance(e, RunWarning)]
     assert (skipped.kind, skipped.step) == ("local_snapshot_skipped", 6) and "checksum" in skipped.reason
     tier.step(8, lambda: {"w": torch.zeros(1), "rank": {}})  # prunes down to the one resumed from
+    tier.finish()
     assert snapshot_names(tier.directory) == ["iter_0000004_0_local.pt", "iter_0000008_0_local.pt"]
 
     published = [e for e in read_events(tmp_path / "run") if isinstance(e, Checkpoint)]
@@ -75,6 +74,170 @@ def test_snapshots_are_bounded_checksummed_and_a_corrupt_one_is_skipped(one_rank
     assert summarize(read_events(tmp_path / "run"))["checkpoints"] == 0  # the durable figures count durable ones only
     tier.remove()
     assert not tier.root.exists()
+
+
+def test_the_background_write_keeps_the_state_it_was_handed(one_rank: dist.ProcessGroup, tmp_path: Path) -> None:
+    """The snapshot is written beside training, which changes the live tensors in place: what is
+    written is the copy taken when the save was handed over. The next incarnation (an in-process
+    restart, which never agreed on that write) waits for it before it looks at the snapshots."""
+    (tmp_path / "run").mkdir()
+
+    def tier() -> LocalTier:
+        return LocalTier(tmp_path / "tier" / "run", every=1, group=one_rank, save_group=one_rank, events=EventLog(tmp_path / "run", 0))
+
+    live = torch.arange(1 << 22, dtype=torch.float32)  # 16 MiB
+    tier().step(1, lambda: {"w": live, "rank": {"step": 1}})
+    live.add_(1.0)  # the next optimizer step, while the write may still be going
+    again = tier()
+    assert again.find_latest() == (1, "local")
+    assert torch.equal(again.load(1)["w"], torch.arange(1 << 22, dtype=torch.float32))
+
+
+# ------------------------------------------------------------------ peer replicas
+def test_replicas_default_to_one_with_another_node_and_a_local_tier() -> None:
+    local = TrainConfig(data="d", run_dir="r", local_ckpt_every=1)
+    assert [local.replicas(nnodes) for nnodes in (1, 2, 3)] == [0, 1, 1]
+    assert TrainConfig(data="d", run_dir="r").replicas(2) == 0  # no local tier: nothing to replicate
+    assert TrainConfig(data="d", run_dir="r", local_ckpt_every=1, local_replicas=0).replicas(2) == 0
+    assert TrainConfig(data="d", run_dir="r", local_ckpt_every=1, local_replicas=2).replicas(3) == 2
+
+
+def test_cliques_hold_each_rank_on_other_nodes() -> None:
+    """The same local rank on ``replicas + 1`` consecutive nodes; the last clique takes the nodes
+    left over; without replicas each rank alone."""
+    assert replica_cliques(2, 1, 1) == [[0, 1]]
+    assert replica_cliques(2, 2, 1) == [[0, 2], [1, 3]]  # ranks 0, 1 on node 0; 2, 3 on node 1
+    assert replica_cliques(4, 1, 1) == [[0, 1], [2, 3]]
+    assert replica_cliques(3, 1, 1) == [[0, 1, 2]]
+    assert replica_cliques(5, 2, 2) == [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]
+    assert replica_cliques(1, 2, 0) == [[0], [1]]
+    for nnodes, nproc, replicas in ((2, 2, 1), (4, 2, 1), (5, 3, 2), (7, 1, 3)):
+        cliques = replica_cliques(nnodes, nproc, replicas)
+        assert sorted(r for c in cliques for r in c) == list(range(nnodes * nproc))  # every rank in one clique
+        for clique in cliques:
+            nodes = [rank // nproc for rank in clique]
+            assert len(set(nodes)) == len(nodes) >= replicas + 1  # each copy on another node
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--nnodes", "1", "--local-ckpt-every", "1", "--local-replicas", "1"),
+         "--local-replicas: 1 replica(s) of local snapshots need other nodes to hold them, but nnodes is 1"),
+        (("--nnodes", "2", "--nproc-per-node", "1", "--local-ckpt-every", "1", "--local-replicas", "2"),
+         "--local-replicas: 2 replicas of local snapshots need 3 nodes (one per copy), but nnodes is 2"),
+        (("--nnodes", "2", "--nproc-per-node", "1", "--local-replicas", "1"),
+         "--local-replicas: 1 replica(s) of local snapshots need --local-ckpt-every (0: off)"),
+        (("--local-ckpt-every", "1", "--local-replicas", "-2"), "--local-replicas: must be at least 0 (or -1: the default rule), got -2"),
+    ],
+)  # fmt: skip
+def test_impossible_replicas_are_refused_before_launch(data_dir: Path, tmp_path: Path, flags: tuple[str, ...], message: str) -> None:
+    run = tmp_path / "run"
+    proc = rfsdp("train", "--quiet", "--data", str(data_dir), "--run-dir", str(run), *flags)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (run / "events.jsonl").exists()
+
+
+def test_replicas_are_checked_as_pipeline_parameters_too() -> None:
+    from trainer.launch.local import job_from_parameters
+
+    params = {"nnodes": 1, "nproc_per_node": 2, "max_restarts": 3, "local_ckpt_every": 1, "local_replicas": 1}
+    with pytest.raises(ParameterError, match="^local_replicas: 1 replica\\(s\\) of local snapshots need other nodes"):
+        job_from_parameters(params, data="d", run_dir="r")
+    cfg, spec = job_from_parameters({**params, "nnodes": 2, "local_replicas": -1}, data="d", run_dir="r")
+    check_local_replicas(cfg, spec)
+    assert cfg.replicas(spec.nnodes) == 1
+
+
+def test_dev_shm_is_sized_for_the_replicas_a_node_holds() -> None:
+    def need(nnodes: int, replicas: int) -> int:
+        cfg = TrainConfig(data="d", run_dir="r", model="base", local_ckpt_every=1, local_replicas=replicas, world_size=2 * nnodes)
+        return local_tier_bytes(cfg, LaunchSpec(nnodes=nnodes, nproc_per_node=2))
+
+    assert need(2, 1) == pytest.approx(2 * need(2, 0), abs=2)  # each rank holds its own and one peer's
+    assert need(3, 1) == pytest.approx(3 * need(3, 0), abs=2)  # the last clique takes the third node: 3 copies
+    cfg = TrainConfig(data="d", run_dir="r", model="base", local_ckpt_every=1, world_size=4)
+    with pytest.raises(ParameterError, match="and of the peers they hold replicas of, --local-replicas 1"):
+        check_local_tier(cfg, LaunchSpec(nnodes=2, nproc_per_node=2), free_bytes=1)
+
+
+REPLICA_PROBE = textwrap.dedent(
+    """
+    import datetime, json, os, shutil, sys
+    from pathlib import Path
+    import torch, torch.distributed as dist
+    from trainer.events import EventLog
+    from trainer.rank.resilience import LocalTier, replication_groups
+
+    def tier(root, run_dir, group):
+        groups = replication_groups([[0, 1]], resume_timeout_s=60, save_timeout_s=60)
+        return LocalTier(root, every=1, group=group, save_group=group, events=EventLog(run_dir, dist.get_rank()), replication=groups)
+
+    def resume(root, run_dir, group):
+        found = tier(root, run_dir, group)
+        step, source = found.find_latest()
+        restored = found.load(step)
+        return {"step": step, "source": source, "w": restored["w"].tolist(), "saved_step": restored["rank"]["step"]}
+
+    def main():
+        root, run_dir, out, rank = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), int(os.environ["RANK"])
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        group = dist.new_group(backend="gloo")
+        first = tier(root, run_dir, group)
+        for step in (1, 2, 3):
+            state = {"w": torch.full((3, 2), 10.0 * rank + step), "rank": {"step": step, "rng": torch.get_rng_state()}}
+            first.step(step, lambda state=state: state)
+        first.finish()
+        held = sorted(p.name for p in first.directory.glob("iter_*_local.pt"))
+        dist.barrier(group)
+        if rank == 0:  # bit rot in rank 0's own newest snapshot; rank 1 holds a replica of it
+            own = first.directory / "iter_0000003_0_local.pt"
+            data = bytearray(own.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            own.write_bytes(bytes(data))
+        dist.barrier(group)
+        after_rot = resume(root, run_dir, group)
+        dist.barrier(group)
+        if rank == 1:  # then rank 1's node is replaced: nothing of its own, nor of its replicas, is left
+            shutil.rmtree(first.directory)
+        dist.barrier(group)
+        after_loss = resume(root, run_dir, group)
+        (out / f"rank{rank}.json").write_text(json.dumps({"held": held, "after_rot": after_rot, "after_loss": after_loss}))
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_rank_gets_its_snapshot_back_from_its_peer(tmp_path: Path) -> None:
+    """Two real ranks over gloo, NVRx's clique replication with the CPU adaptations: each rank
+    holds its own and its peer's snapshots of the two newest steps. With rank 0's own newest copy
+    corrupt, rank 0 gets step 3 from rank 1's replica; once rank 1's folder is gone as well (a
+    replaced node), step 3 has no intact copy of rank 0 left: both resume step 2, rank 1's from
+    rank 0's replica."""
+    script, out, run_dir = tmp_path / "probe.py", tmp_path / "out", tmp_path / "run"
+    script.write_text(REPLICA_PROBE)
+    out.mkdir()
+    run_dir.mkdir()
+    port = str(29000 + os.getpid() % 1000)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(tmp_path / "tier" / "run"), str(run_dir), str(out)],
+                         env={**env, "RANK": str(r)}, stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]  # fmt: skip
+    errors = [p.communicate(timeout=180)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), errors
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank, result in enumerate(results):
+        assert result["held"] == [f"iter_000000{s}_{r}_local.pt" for s in (2, 3) for r in (0, 1)]  # two steps x (own + peer's)
+        assert result["after_rot"] == {"step": 3, "source": "peer", "w": [[10.0 * rank + 3] * 2] * 3, "saved_step": 3}
+        assert result["after_loss"] == {"step": 2, "source": "peer", "w": [[10.0 * rank + 2] * 2] * 3, "saved_step": 2}
+    skipped = [(e.rank, e.step, e.kind) for e in read_events(run_dir) if isinstance(e, RunWarning)]
+    assert skipped == [(0, 3, "local_snapshot_skipped")] * 2  # found at each resume
 
 
 # ------------------------------------------------------------------ refused before launch

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, as_unprivileged, losses, train
+from tests.conftest import ROOT, as_unprivileged, losses, tier_of, train
 from trainer.checkpoint import latest_checkpoint, published_checkpoints
 from trainer.emulation.netns import LocalCluster, netns_problem
-from trainer.events import Checkpoint, FaultFired, Restart, Step, read_events
+from trainer.events import Checkpoint, FaultFired, Restart, Step, read_events, select
 from trainer.faults import Fault, NodeFault, NodeFaultInjector, parse_fault_spec
 
 pytestmark = pytest.mark.slow  # real multi-process jobs
@@ -291,6 +291,26 @@ def test_node_loss_2x1_exact(data_dir: Path, baseline_2: Path, tmp_path: Path) -
     measured = recoveries(run)
     assert [(r["kind"], r["node"]) for r in measured] == [("node-loss", 1), ("node-loss", 0)]
     print(f"\nnode-loss recovery (fault -> first step after it), 2 hosts x 1 process: {json.dumps(measured)}")
+
+
+@needs_netns
+def test_node_loss_2x1_recovers_from_the_peer_replica(data_dir: Path, baseline_2: Path, tmp_path: Path) -> None:
+    """Durable checkpoints every 10, local snapshots every step with one peer replica: host 1 is
+    lost at step 13 and its memory (its local tier) with it, so its state can only come back from
+    the replica host 0 holds. At most one step is lost, the trajectory is the uninterrupted one,
+    and no host's memory keeps anything of the run afterwards."""
+    run = tmp_path / "run"
+    netns_train(data_dir, run, 1, "--steps", STEPS, "--ckpt-every", "10", "--local-ckpt-every", "1", "--fault", "node-loss@13:1")
+    assert losses(run) == losses(baseline_2)
+    events = read_events(run)
+    (restart,) = select(events, Restart)
+    assert (restart.layer, restart.source) == ("in_job", "peer") and restart.lost_steps <= 1, restart
+    assert restart.resumed_from_step > 10  # newer than the durable checkpoint
+    local = [e for e in events if isinstance(e, Checkpoint) and e.tier == "local"]
+    assert local and all("replicate" in e.phases for e in local)  # each snapshot went to the peer too
+    assert not list(Path("/dev/shm").glob(f"rfsdp-local*/{tier_of(run).name}"))  # the run's folder in any host's memory
+    print(f"\nnode loss, local tier + 1 replica: resumed from step {restart.resumed_from_step} ({restart.source}), "
+          f"{restart.lost_steps} step(s) redone, {restart.recovery_s:.1f} s")  # fmt: skip
 
 
 @needs_netns

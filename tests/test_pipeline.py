@@ -46,7 +46,8 @@ MLFLOW = "http://mlflow.team-a:5000"
 BODY = ["check-run", "prepare-data", "train", "validate-checkpoint"]
 EXIT = "log-to-mlflow"
 EXPECTED_PARAMETERS = {
-    "steps", "ckpt_every", "ckpt_mode", "local_ckpt_every", "nnodes", "nproc_per_node", "max_restarts", "inprocess_restart", "fault",
+    "steps", "ckpt_every", "ckpt_mode", "local_ckpt_every", "local_replicas", "nnodes", "nproc_per_node", "max_restarts",
+    "inprocess_restart", "fault",
     "model", "seed", "hang_timeout", "grace_period", "system_metrics_every", "backend", "training_run", "image", "job_namespace", "gpus",
     "cpu", "memory", "source", "pvc_name", "checkpoint_uri", "tracking_uri", "experiment",
 }  # fmt: skip

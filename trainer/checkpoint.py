@@ -46,6 +46,14 @@ PREPARE_DIR = "prepare.tmp"
 """Scratch directory (+ the generation tag) of a writer's :meth:`Checkpointer.prepare`."""
 LOCAL_TIER_ROOT = Path("/dev/shm/rfsdp-local")
 """Node-local memory holding every run's local tier (``--local-ckpt-every``), one folder per run."""
+LOCAL_TIER_ROOT_ENV = "RFSDP_LOCAL_TIER_ROOT"
+"""Overrides ``LOCAL_TIER_ROOT``: the emulated hosts of ``--netns`` share this machine's /dev/shm,
+so each gets a root of its own, which its node loss wipes (``trainer.emulation.netns``)."""
+
+
+def local_tier_root() -> Path:
+    """This node's folder of every run's local tier (``LOCAL_TIER_ROOT_ENV``, else ``LOCAL_TIER_ROOT``)."""
+    return Path(os.environ.get(LOCAL_TIER_ROOT_ENV) or LOCAL_TIER_ROOT)
 
 
 class CheckpointError(RuntimeError):
@@ -74,7 +82,7 @@ def local_tier_dir(run_dir: Path, fingerprint: str) -> Path:
     run_dir = Path(run_dir).resolve()
     st = run_dir.stat()
     ident = f"{run_dir}\0{st.st_dev}\0{st.st_ino}\0{fingerprint}"
-    return LOCAL_TIER_ROOT / hashlib.sha256(ident.encode()).hexdigest()[:16]
+    return local_tier_root() / hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
 def write_rank_checksums(directory: Path, rank: int) -> None:

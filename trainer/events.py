@@ -32,7 +32,10 @@ SAVE_PHASES = ("stage", "plan", "write", "finalize")
 RESTART_LAYERS = ("in_process", "in_job")
 CHECKPOINT_TIERS = ("durable", "local")
 """Where a checkpoint lives: ``durable`` (DCP on the shared volume) or ``local`` (this node's
-memory, ``--local-ckpt-every``); a recovery resumes from one of them (``Restart.source``)."""
+memory, ``--local-ckpt-every``)."""
+RESTART_SOURCES = (*CHECKPOINT_TIERS, "peer")
+"""What a recovery resumed from (``Restart.source``): a durable checkpoint, every rank's own local
+snapshot, or local snapshots of which at least one came from a peer's replica (``--local-replicas``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,7 +203,7 @@ class Restart(Event):
     attempt: int
     resumed_from_step: int
     source: str = "durable"
-    """The tier resumed from (one of ``CHECKPOINT_TIERS``)."""
+    """What it resumed from (one of ``RESTART_SOURCES``)."""
     lost_steps: int
     """Steps done since ``resumed_from_step`` that had to be redone."""
     recovery_s: float
@@ -213,7 +216,7 @@ class Restart(Event):
         return (
             f"restart {self.attempt} ({self.layer}): resumed from step {self.resumed_from_step}, "
             f"{self.lost_steps} steps redone, back {self.recovery_s:.1f} s after the fault"
-            + (" (local snapshot)" if self.source == "local" else "")
+            + {"local": " (local snapshot)", "peer": " (local snapshot, from a peer's replica)"}.get(self.source, "")
         )
 
 

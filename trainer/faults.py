@@ -19,6 +19,7 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -139,15 +140,17 @@ def claim_fault(run_dir: Path, key: str) -> bool:
 
 
 class FaultInjector:
-    """Fires this rank's scheduled faults at their steps, once per run (``local_dir``: this
-    rank's local snapshots, which ``corrupt-local`` hits).
+    """Fires this rank's scheduled faults at their steps, once per run (``local_newest``: this
+    rank's own newest local snapshot, once written, which ``corrupt-local`` hits).
     """
 
-    def __init__(self, faults: list[Fault], run_dir: Path, rank: int, events: EventLog, *, local_dir: Path | None = None) -> None:
+    def __init__(
+        self, faults: list[Fault], run_dir: Path, rank: int, events: EventLog, *, local_newest: Callable[[], Path] | None = None
+    ) -> None:
         self.pending = {(f.step, f.phase): f for f in faults if isinstance(f, Fault) and f.rank == rank}
         self.run_dir = Path(run_dir)
         self.events = events
-        self.local_dir = local_dir
+        self.local_newest = local_newest
 
     def maybe_fire(self, step: int, phase: str = "") -> None:
         """Fire the fault scheduled for ``step`` (and the save ``phase``) on this rank, unless it
@@ -170,7 +173,7 @@ class FaultInjector:
             os.kill(os.getppid(), signal.SIGTERM)  # other ranks; this rank gets it now, so the stop step is this one
             os.kill(os.getpid(), signal.SIGTERM)
         if fault.kind == "corrupt-local":  # bit rot in node memory, then a fault that makes the run resume
-            newest = max(self.local_dir.glob("iter_*_local.pt"))  # zero-padded steps: the newest sorts last
+            newest = self.local_newest()  # its own (not a replica's)
             with open(newest, "r+b") as f:
                 f.seek(newest.stat().st_size // 2)
                 byte = f.read(1)[0]

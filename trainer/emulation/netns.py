@@ -8,8 +8,10 @@ run dir is a plain directory every host sees (the shared volume). A replica (one
 its workers) runs under ``ip netns exec HOST`` and advertises its own address (``PET_LOCAL_ADDR``),
 so its workers' ``MASTER_ADDR`` and the wrapper's store are reachable from the other hosts.
 
-Node faults act on a host as a real cluster would see them: ``kill_node`` SIGKILLs every process
-in the host's namespace at once; ``set_link(node, up=False)`` takes the host's switch port down,
+Each host has node-local memory of its own for the local tier (``RFSDP_LOCAL_TIER_ROOT``, a folder
+of this machine's /dev/shm that the namespaces would otherwise share). Node faults act on a host as
+a real cluster would see them: ``kill_node`` SIGKILLs every process in the host's namespace at once
+and wipes its memory (its local tier), as a replaced node has none; ``set_link(node, up=False)`` takes the host's switch port down,
 so its packets vanish silently (as with a failed cable, not a clean refusal).
 
 ``LocalCluster`` always tears everything down (processes, namespaces, links), also on Ctrl-C,
@@ -28,8 +30,10 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 
+from trainer.checkpoint import LOCAL_TIER_ROOT, LOCAL_TIER_ROOT_ENV
 from trainer.errors import ParameterError
 
 SUBNET = "198.18.0"
@@ -37,6 +41,7 @@ SUBNET = "198.18.0"
 RDZV_PORT = 29400
 _PREFIX = "rfsdp"
 _OWNED = re.compile(rf"^{_PREFIX}(\d+)-(?:sw|h\d+|probe)$")
+_MEMORY = re.compile(rf"^{LOCAL_TIER_ROOT.name}-{_PREFIX}(\d+)-h\d+$")
 
 
 class NetnsUnavailable(ValueError):
@@ -80,6 +85,10 @@ def remove_stale() -> None:
         if m and not _alive(int(m[1])):
             _kill_all(name)
             _ip("netns", "del", name, check=False)
+    for memory in LOCAL_TIER_ROOT.parent.glob(f"{LOCAL_TIER_ROOT.name}-{_PREFIX}*"):
+        m = _MEMORY.match(memory.name)
+        if m and not _alive(int(m[1])):
+            shutil.rmtree(memory, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:
@@ -115,6 +124,8 @@ class Host:
     index: int
     namespace: str
     address: str
+    memory: Path
+    """The host's node-local memory: its local tier's root (``RFSDP_LOCAL_TIER_ROOT``)."""
 
 
 class LocalCluster:
@@ -131,7 +142,8 @@ class LocalCluster:
             raise ParameterError("nnodes", f"must be at least 1, got {nnodes}")
         tag = f"{_PREFIX}{os.getpid()}"
         self.switch = f"{tag}-sw"
-        self.hosts = [Host(i, f"{tag}-h{i}", f"{SUBNET}.{i + 1}") for i in range(nnodes)]
+        memory = LOCAL_TIER_ROOT.with_name  # each host's own folder beside the machine's root
+        self.hosts = [Host(i, f"{tag}-h{i}", f"{SUBNET}.{i + 1}", memory(f"{LOCAL_TIER_ROOT.name}-{tag}-h{i}")) for i in range(nnodes)]
         self._previous_sigterm: object = None
 
     # ------------------------------------------------------------ lifecycle
@@ -186,6 +198,8 @@ class LocalCluster:
             if namespace in present:
                 _kill_all(namespace)
                 _ip("netns", "del", namespace, check=False)
+        for host in self.hosts:
+            shutil.rmtree(host.memory, ignore_errors=True)
 
     def namespaces(self) -> list[str]:
         """This cluster's namespaces that exist now."""
@@ -205,18 +219,20 @@ class LocalCluster:
         """Each replica advertises its host's address: the launcher's (workers' MASTER_ADDR,
         rendezvous) and gloo's (its interface: by default gloo resolves the hostname, which is
         the same loopback name in every namespace). Host 0's launcher hosts the rendezvous store
-        (for the same reason it cannot tell by itself).
+        (for the same reason it cannot tell by itself). The local tier goes to the host's own memory.
         """
         return {
             "PET_LOCAL_ADDR": self.hosts[node].address,
             "PET_RDZV_CONF": f"is_host={int(node == 0)}",
             "GLOO_SOCKET_IFNAME": "eth0",
+            LOCAL_TIER_ROOT_ENV: str(self.hosts[node].memory),
         }
 
     # ------------------------------------------------------------ NodeControl (trainer.faults)
     def kill_node(self, node: int) -> None:
-        """SIGKILL every process on host ``node`` at once."""
+        """SIGKILL every process on host ``node`` at once; its memory (local tier) is gone with it."""
         _kill_all(self.hosts[node].namespace)
+        shutil.rmtree(self.hosts[node].memory, ignore_errors=True)
 
     def set_link(self, node: int, up: bool) -> None:
         """Take host ``node``'s switch port down (packets are dropped silently) or back up."""

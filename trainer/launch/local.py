@@ -26,7 +26,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from trainer.checkpoint import LOCAL_TIER_ROOT, local_tier_dir
+from trainer.checkpoint import local_tier_dir, local_tier_root
 from trainer.data.prepare import local_data
 from trainer.data.shards import DataError, load_manifest, verify_shards
 from trainer.errors import FATAL_EXIT_CODE, ParameterError, as_pipeline_parameters
@@ -35,7 +35,7 @@ from trainer.faults import NodeControl, NodeFault, NodeFaultInjector, parse_faul
 from trainer.launch.progress import TrainingProgress
 from trainer.launch.spec import LaunchSpec
 from trainer.process import die_with_parent
-from trainer.rank.config import TRAJECTORY_FIELDS, Timeouts, TrainConfig
+from trainer.rank.config import TRAJECTORY_FIELDS, Timeouts, TrainConfig, replica_cliques
 from trainer.rank.model import parameter_count
 from trainer.storage.store import StorageError, open_storage
 
@@ -85,7 +85,9 @@ def job_from_parameters(params: Mapping[str, Any], *, data: str, run_dir: str) -
     """
     with as_pipeline_parameters():
         spec = LaunchSpec(nnodes=params["nnodes"], nproc_per_node=params["nproc_per_node"], max_restarts=params["max_restarts"])
-        return TrainConfig.from_mapping({**params, "data": data, "run_dir": run_dir, "world_size": spec.world_size}), spec
+        cfg = TrainConfig.from_mapping({**params, "data": data, "run_dir": run_dir, "world_size": spec.world_size})
+        check_local_replicas(cfg, spec)
+        return cfg, spec
 
 
 def check_launch(cfg: TrainConfig, spec: LaunchSpec, *, verify_data: bool = True) -> None:
@@ -93,6 +95,7 @@ def check_launch(cfg: TrainConfig, spec: LaunchSpec, *, verify_data: bool = True
     if cfg.world_size != spec.world_size:
         raise ParameterError("world_size", f"{cfg.world_size} does not match nnodes x nproc_per_node = {spec.world_size}")
     parse_fault_spec(cfg.fault, steps=cfg.steps, world_size=cfg.world_size, nnodes=spec.nnodes)  # NODE < nnodes
+    check_local_replicas(cfg, spec)
     import torch
 
     gpus = torch.cuda.device_count()
@@ -112,7 +115,17 @@ def check_launch(cfg: TrainConfig, spec: LaunchSpec, *, verify_data: bool = True
         check_mirror(cfg)
     check_run_dir(cfg)
     if cfg.local_ckpt_every:
-        check_local_tier(cfg, spec, free_bytes=shutil.disk_usage(_existing_parent(LOCAL_TIER_ROOT)).free)
+        check_local_tier(cfg, spec, free_bytes=shutil.disk_usage(_existing_parent(local_tier_root())).free)
+
+
+def check_local_replicas(cfg: TrainConfig, spec: LaunchSpec) -> None:
+    """Refuse peer replicas that no other node could hold (``--local-replicas``)."""
+    replicas = cfg.replicas(spec.nnodes)
+    if replicas and spec.nnodes == 1:
+        raise ParameterError("local_replicas", f"{replicas} replica(s) of local snapshots need other nodes to hold them, but nnodes is 1")
+    if replicas >= spec.nnodes:
+        problem = f"{replicas} replicas of local snapshots need {replicas + 1} nodes (one per copy), but nnodes is {spec.nnodes}"
+        raise ParameterError("local_replicas", problem)
 
 
 LOCAL_SNAPSHOTS = 2
@@ -123,19 +136,23 @@ LOCAL_MARGIN = 1.25
 
 def local_tier_bytes(cfg: TrainConfig, spec: LaunchSpec) -> int:
     """Memory the local tier needs on one node: per rank, ``LOCAL_SNAPSHOTS`` snapshots of its
-    shards of the parameters and AdamW's two moments (fp32), with ``LOCAL_MARGIN``.
+    shards of the parameters and AdamW's two moments (fp32), with ``LOCAL_MARGIN``, for itself
+    and for every peer whose replica it holds (its replication clique's size, the largest one's).
     """
     per_rank = parameter_count(cfg.size) * (1 + 2) * 4 / spec.world_size
-    return int(per_rank * LOCAL_SNAPSHOTS * LOCAL_MARGIN * spec.nproc_per_node)
+    copies = max(len(c) for c in replica_cliques(spec.nnodes, spec.nproc_per_node, cfg.replicas(spec.nnodes)))
+    return int(per_rank * copies * LOCAL_SNAPSHOTS * LOCAL_MARGIN * spec.nproc_per_node)
 
 
 def check_local_tier(cfg: TrainConfig, spec: LaunchSpec, *, free_bytes: int) -> None:
     """Refuse a local tier that ``free_bytes`` of node memory (``/dev/shm``) cannot hold."""
     need = local_tier_bytes(cfg, spec)
     if need > free_bytes:
+        replicas = cfg.replicas(spec.nnodes)
+        held = f" (and of the peers they hold replicas of, --local-replicas {replicas})" if replicas else ""
         raise ParameterError(
             "local_ckpt_every",
-            f"{LOCAL_SNAPSHOTS} local snapshots of each of {spec.nproc_per_node} ranks on a node need {need / 2**20:,.0f} MiB "
+            f"{LOCAL_SNAPSHOTS} local snapshots of each of {spec.nproc_per_node} ranks on a node{held} need {need / 2**20:,.0f} MiB "
             f"of /dev/shm (model {cfg.model}, world size {spec.world_size}), but {free_bytes / 2**20:,.0f} MiB are free",
         )
 

@@ -66,6 +66,10 @@ class TrainConfig:
     """Local snapshot interval in steps: each rank's state also goes to this node's memory
     (/dev/shm), at most two snapshots per rank, and recovery resumes from the newest one every
     rank can load when it is newer than the durable checkpoint (0: off)."""
+    local_replicas: int = -1
+    """Peer copies of each rank's local snapshots, held by the same local rank on other nodes, so
+    a replaced node's state comes back from a peer (-1: 1 when nnodes > 1 and the local tier is
+    on, else 0; needs fewer replicas than nodes)."""
     seed: int = 0
     """Seed for initialization (and anything random)."""
     batch_size: int = 8
@@ -112,6 +116,10 @@ class TrainConfig:
             raise ParameterError("log_every", f"must be at least 0, got {self.log_every}")
         if self.local_ckpt_every < 0:
             raise ParameterError("local_ckpt_every", f"must be at least 0 (0: off), got {self.local_ckpt_every}")
+        if self.local_replicas < -1:
+            raise ParameterError("local_replicas", f"must be at least 0 (or -1: the default rule), got {self.local_replicas}")
+        if self.local_replicas > 0 and not self.local_ckpt_every:
+            raise ParameterError("local_replicas", f"{self.local_replicas} replica(s) of local snapshots need --local-ckpt-every (0: off)")
         if self.max_inprocess_restarts < 0:
             raise ParameterError("max_inprocess_restarts", f"must be at least 0, got {self.max_inprocess_restarts}")
         for name in ("steps", "ckpt_every", "keep_last", "batch_size", "world_size"):
@@ -146,6 +154,14 @@ class TrainConfig:
         """True when the run checkpoints at ``step`` (every ``ckpt_every`` steps and its last)."""
         return step % self.ckpt_every == 0 or step == (self.stop_at_step or self.steps)
 
+    def replicas(self, nnodes: int) -> int:
+        """Peer copies of each rank's local snapshots in a job of ``nnodes`` nodes:
+        ``local_replicas``, or by default 1 when there is another node and a local tier, else 0.
+        """
+        if self.local_replicas >= 0:
+            return self.local_replicas
+        return 1 if nnodes > 1 and self.local_ckpt_every else 0
+
     @property
     def size(self) -> ModelSize:
         """The model's shape."""
@@ -178,6 +194,20 @@ class TrainConfig:
         """
         names = {f.name for f in dataclasses.fields(cls)} - {"faults"}
         return cls(**{k: v for k, v in values.items() if k in names and v is not None})
+
+
+def replica_cliques(nnodes: int, nproc_per_node: int, replicas: int) -> list[list[int]]:
+    """The ranks that hold each other's local snapshots (NVRx's replication cliques): consecutive
+    nodes in groups of ``replicas + 1`` (the last group takes the nodes left over, so every
+    ``nnodes`` above ``replicas`` works), and in each group the ranks of the same local rank: each
+    rank's snapshot is then held on at least ``replicas`` other nodes. No replicas: one clique per rank.
+    """
+    size = replicas + 1
+    if replicas == 0:
+        return [[rank] for rank in range(nnodes * nproc_per_node)]
+    starts = list(range(0, nnodes - size + 1, size))
+    node_groups = [range(start, start + size) for start in starts[:-1]] + [range(starts[-1], nnodes)]
+    return [[node * nproc_per_node + local for node in nodes] for nodes in node_groups for local in range(nproc_per_node)]
 
 
 def config_defaults() -> dict[str, Any]:

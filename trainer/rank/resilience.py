@@ -19,6 +19,7 @@ import pickle
 import queue
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,8 +35,9 @@ from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest, Pe
 from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
 from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import CheckpointMetadataCache, save_state_dict_async_plan
 from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
-from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager import CheckpointingException
 from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
+from nvidia_resiliency_ext.checkpointing.local.replication.group_utils import GroupWrapper
+from nvidia_resiliency_ext.checkpointing.local.replication.strategies import CliqueReplicationStrategy
 from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
@@ -414,6 +416,14 @@ def run_restartable(train_fn: Callable[[Attempt], None], timeouts: Timeouts, *, 
 #   after it, and loaded only once its bytes match, with ``weights_only=True``.
 # - ``BasicTensorAwareStateDict`` asserts that every tensor is on CUDA and moves them back there
 #   on load: ``_HostStateDict`` drops both (the caller copies loaded values into its live tensors).
+# Peer replicas (``--local-replicas``) use NVRx's ``CliqueReplicationStrategy`` as it is (its
+# ``replicate`` all-gathers each clique member's snapshot, its ``retrieve_plan`` picks for each rank
+# its own copy if it holds one, else a peer's), on cliques built here rather than by
+# ``from_replication_params``: NVRx's groups have the default backend and timeout (NCCL on a GPU
+# machine; here checkpoint collectives are gloo groups with our timeouts), and need nnodes to be a
+# multiple of replicas + 1 (``trainer.rank.config.replica_cliques`` takes any nnodes above it).
+# ``GroupWrapper.isend_state_dict`` / ``irecv_state_dict`` move every tensor through CUDA
+# (``ten.cuda()``): ``_HostGroup`` sends and receives the host tensors over gloo as they are.
 class LocalSnapshotError(RuntimeError):
     """A local snapshot is incomplete, torn or corrupt."""
 
@@ -427,6 +437,43 @@ class _HostStateDict(BasicTensorAwareStateDict):
 
     def restore_tensor_device(self, non_blocking: bool = True) -> None:
         """Nothing to move: values are copied into the live tensors, wherever they are."""
+
+
+class _HostGroup(GroupWrapper):
+    """NVRx's group wrapper, sending a state dict's host tensors as they are (NVRx's goes through CUDA)."""
+
+    def isend_state_dict(self, state_dict: _HostStateDict, dst: int) -> dict[str, float]:
+        """Send ``state_dict`` to global rank ``dst``: its hollow form, then each tensor."""
+        tensors = state_dict.pop_tensors()
+        self.send_object(state_dict, dst)
+        for tensor in tensors:
+            dist.send(tensor.contiguous(), dst, group=self.group)
+        state_dict.insert_tensors(tensors)
+        return {"data_sent": sum(t.nbytes for t in tensors)}
+
+    def irecv_state_dict(self, src: int) -> tuple[_HostStateDict, dict[str, float]]:
+        """Receive what :meth:`isend_state_dict` sent from global rank ``src``."""
+        hollow: _HostStateDict = self.recv_object(src)
+        hollow.init_tensors()
+        for tensor in hollow.tensors:
+            dist.recv(tensor, src, group=self.group)
+        return hollow, {"data_recv": sum(t.nbytes for t in hollow.tensors)}
+
+
+def replication_groups(cliques: list[list[int]], *, resume_timeout_s: float, save_timeout_s: float) -> tuple | None:
+    """Collective on every rank: gloo groups of this rank's replication clique (``cliques``, from
+    ``trainer.rank.config.replica_cliques``), one with each timeout (for a resume's retrieval, for
+    a save's exchange in the loop). None without replicas (every clique one rank).
+    """
+    if all(len(clique) == 1 for clique in cliques):
+        return None
+    mine = []
+    for timeout in (resume_timeout_s, save_timeout_s):
+        for clique in cliques:  # every rank makes every group, in the same order
+            group = dist.new_group(clique, backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+            if dist.get_rank() in clique:
+                mine.append(group)
+    return mine[0], mine[1]
 
 
 class _HashingWriter:
@@ -488,34 +535,92 @@ class _ChecksummedLocalManager(LocalCheckpointManager):
                 path.unlink(missing_ok=True)
 
 
+def _stage(tree: object, buffers: dict, path: tuple = ()) -> object:
+    """``tree`` with every tensor copied into this rank's reused host buffer for its place
+    (``buffers``, made on first use): what the background write reads while training goes on.
+    """
+    if isinstance(tree, dict):
+        return {k: _stage(v, buffers, (*path, k)) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_stage(v, buffers, (*path, i)) for i, v in enumerate(tree)]
+    if not isinstance(tree, torch.Tensor):
+        return tree  # plain values: built afresh for each snapshot, never changed after
+    buffer = buffers.get(path)
+    if buffer is None or buffer.shape != tree.shape or buffer.dtype != tree.dtype:
+        buffer = buffers[path] = torch.empty_like(tree, device="cpu")
+    return buffer.copy_(tree)
+
+
+@dataclass(slots=True)
+class _LocalWrite:
+    """A snapshot handed to the background thread, and how its write ended."""
+
+    step: int
+    started: float
+    """``time.perf_counter()`` when its save began."""
+    blocking_s: float
+    """The training thread's stall handing it over (staging, the replicas' exchange)."""
+    phases: dict[str, float]
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+
 class LocalTier:
     """The local tier: every ``every`` steps each rank's state goes to node-local memory, at most
-    two snapshots per rank (the newest complete one and the one being written, or after a write
-    the two newest); recovery takes the newest step every rank can load.
+    two snapshots per rank and per clique member it holds replicas of (the newest complete one and
+    the one being written); recovery takes the newest step every rank can load, from its own
+    snapshot or else from a peer's replica.
 
-    The write is synchronous, in the training thread (a memory copy into ``/dev/shm``): nothing
-    runs beside training's collectives, and a snapshot is complete before the next step changes
-    the state. Its one collective per save, and the one of :meth:`find_latest`, are on the
-    checkpoint groups, never on the default group.
+    The training thread copies the state into reused host buffers (and, with replicas, exchanges
+    it within its clique, a collective) and hands it to a background thread, which writes it to
+    ``/dev/shm`` (hashed as it is written, the checksum sidecar last). The next save first waits
+    for that write and agrees with every rank that all of theirs succeeded (one small collective,
+    in the training thread, so never beside training's own): only then does it count (its
+    ``checkpoint`` event, the pruning that keeps it) and the buffers are reused. At resume a
+    snapshot counts only if every rank verifies it, whoever wrote it. A write runs on when the
+    training thread is interrupted (in-process restart): the next incarnation waits for it before
+    it looks at the snapshots, as the async writer's next save waits for an abandoned write. Every
+    collective is on checkpoint groups, never on the default group.
 
     Args:
         root: this run's folder on this node (``trainer.checkpoint.local_tier_dir``).
         every: snapshot interval in steps.
-        group: resume collectives (their timeout covers verifying snapshots).
+        group: resume collectives (their timeout covers verifying snapshots); every rank of the world.
         save_group: the collective of a save inside the training loop.
         events: where ``checkpoint`` / ``checkpoint_failed`` (tier ``local``, rank 0) and
             ``warning`` (``local_snapshot_skipped``, the rank that skipped) go.
+        replication: this rank's clique groups (resume, save) from :func:`replication_groups`;
+            None: no replicas.
     """
 
-    def __init__(self, root: Path, *, every: int, group: dist.ProcessGroup, save_group: dist.ProcessGroup, events: EventLog) -> None:
+    def __init__(
+        self, root: Path, *, every: int, group: dist.ProcessGroup, save_group: dist.ProcessGroup, events: EventLog,
+        replication: tuple | None = None,
+    ) -> None:  # fmt: skip
         self.root = Path(root)
         self.every = every
         self.group, self.save_group = group, save_group
         self.events = events
         self.rank = dist.get_rank()
         self.manager = _ChecksummedLocalManager(self.root.parent, session_id=self.root.name)
+        self.retrieval, self.replication = (
+            (CliqueReplicationStrategy(_HostGroup(replication[0])), CliqueReplicationStrategy(_HostGroup(replication[1])))
+            if replication
+            else (None, None)
+        )
         self.newest = 0
         """This rank's newest complete snapshot step (0: none); kept by the next save's pruning."""
+        self._available: list = []
+        """Per rank, the snapshots (ids) it holds and verified, as :meth:`find_latest` found them."""
+        self._buffers: dict = {}
+        self._pending: _LocalWrite | None = None
+        """The write this incarnation handed over and has not agreed on yet."""
+        if (abandoned := LocalTier._in_flight) is not None and abandoned.thread is not None and abandoned.thread.ident is not None:
+            abandoned.thread.join()  # a memory copy: short. What it wrote counts if every rank verifies it.
+        LocalTier._in_flight = None
+
+    _in_flight: _LocalWrite | None = None
+    """The write last handed over in this process, whichever incarnation did (one thread at a time)."""
 
     @property
     def directory(self) -> Path:
@@ -528,41 +633,89 @@ class LocalTier:
             self.save(step, state)
 
     def save(self, step: int, state: Callable[[], dict]) -> None:
-        """Write this rank's ``state()`` (a nested dict of host tensors and plain values) as the
-        snapshot of ``step``, then agree with every rank that all wrote theirs. Its phases are
-        timed (the ``checkpoint`` event's): ``collect``, ``write`` (with the checksum), ``agree``.
-        A failure is not fatal: ``checkpoint_failed`` (tier ``local``), retried at the next one.
+        """Hand this rank's ``state()`` (a nested dict of tensors and plain values) to the
+        background write as the snapshot of ``step``, after completing the previous one
+        (:meth:`finish`). Its phases are timed (the ``checkpoint`` event's): ``collect`` (the copy
+        into the buffers), ``replicate`` (with replicas: the clique's exchange), ``write`` (in the
+        background: this rank's snapshot and the replicas it holds, with their checksums),
+        ``agree``. A failed write is not fatal: ``checkpoint_failed`` (tier ``local``), retried at
+        the next one.
         """
+        self.finish()
         started = time.perf_counter()
-        snapshot = state()
+        ckpt_id = self.manager._ckpt_id(step)
+        snapshots = {ckpt_id: _HostStateDict(_stage(state(), self._buffers))}
         collected = time.perf_counter()
-        error = None
+        if self.replication is not None:  # every clique member's snapshot of this step, its own included
+            states, ids = self.replication.replicate(snapshots[ckpt_id], ckpt_id)
+            snapshots = dict(zip(ids, states, strict=True))
+        replicated = time.perf_counter()
+        phases = {"collect": collected - started} | ({"replicate": replicated - collected} if self.replication is not None else {})
+        write = _LocalWrite(step, started, blocking_s=0.0, phases=phases)
+        write.thread = threading.Thread(target=self._write, args=(write, snapshots), name="local-tier-write", daemon=True)
+        self._pending = LocalTier._in_flight = write
+        write.thread.start()
+        write.blocking_s = time.perf_counter() - started
+
+    def _write(self, write: _LocalWrite, snapshots: dict) -> None:
+        """The background thread: prune to the newest complete step, then write ``snapshots``."""
+        # Lowest CPU priority (Linux: per thread): the write has until the next snapshot, and on a
+        # node whose cores the ranks keep busy it should take their idle moments, not their time.
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        began = time.perf_counter()
         try:
-            self.manager.prune(keep=self.newest)  # at most two: the newest complete one and this one
-            self.manager._save_fn({self.manager._ckpt_id(step): _HostStateDict(snapshot)})
-        except (OSError, CheckpointingException) as e:
-            error = e
-        written = time.perf_counter()
-        ok = torch.tensor([int(error is None)], dtype=torch.int32)
+            self.manager.prune(keep=self.newest)  # at most two steps: the newest complete one and this one
+            self.manager._save_fn(snapshots)
+        except Exception as e:  # reported to every rank by the next agreement
+            write.error = e
+        write.phases["write"] = time.perf_counter() - began
+
+    def finish(self) -> None:
+        """Collective on ``save_group`` (every rank, also with nothing handed over): wait for the
+        write handed over last and agree whether every rank's succeeded; it then counts. Call it
+        once training is done too, before the snapshots are kept or removed.
+        """
+        write, self._pending = self._pending, None
+        if write is None:
+            return
+        entered = time.perf_counter()
+        write.thread.join()  # a write slower than the steps between two saves stalls the loop here
+        joined = time.perf_counter()
+        ok = torch.tensor([int(write.error is None)], dtype=torch.int32)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.save_group)
         agreed = time.perf_counter()
         if ok.item():
-            self.newest = step
+            self.newest = write.step
         if self.rank != 0:
             return
         if not ok.item():
-            self.events.emit(CheckpointFailed(step=step, mode="sync", tier="local", error=f"{error or 'failed on another rank'}"))
+            self.events.emit(
+                CheckpointFailed(step=write.step, mode="async", tier="local", error=f"{write.error or 'failed on another rank'}")
+            )
             return
-        path = self.manager._local_ckpt_path_from_id(self.manager._ckpt_id(step))
-        phases = {"collect": collected - started, "write": written - collected, "agree": agreed - written}
-        stall = agreed - started
+        path = self.manager._local_ckpt_path_from_id(self.manager._ckpt_id(write.step))
+        phases = {**write.phases, "wait": joined - entered, "agree": agreed - joined}
         self.events.emit(
-            Checkpoint(step=step, mode="sync", tier="local", blocking_s=stall, total_s=stall, bytes=path.stat().st_size, phases=phases)
-        )
+            Checkpoint(
+                step=write.step, mode="async", tier="local", blocking_s=write.blocking_s + (agreed - entered),
+                total_s=agreed - write.started, bytes=path.stat().st_size, phases=phases,
+            )
+        )  # fmt: skip
 
-    def find_latest(self) -> int:
-        """Collective on ``group``: the newest step whose snapshot every rank has and verifies
-        (0: none). A rank's torn or corrupt snapshot is skipped with a ``warning`` event.
+    def newest_own(self) -> Path:
+        """This rank's own newest snapshot file, once the write in flight is done (what
+        ``corrupt-local`` hits).
+        """
+        if self._pending is not None:
+            self._pending.thread.join()
+        return max(self.directory.glob(f"iter_*_{self.rank}_local.pt"))  # zero-padded steps: the newest sorts last
+
+    def find_latest(self) -> tuple[int, str]:
+        """Collective on ``group``: the newest step of which every rank's snapshot is held and
+        verified by some rank (0: none), and where it comes from: ``local`` (every rank holds its
+        own) or ``peer`` (some rank's comes from a peer's replica). A torn or corrupt snapshot is
+        skipped with a ``warning`` event by the rank that holds it.
         """
         verified = []
         for ckpt_id in sorted(self.manager._my_ckpt_ids(), reverse=True):
@@ -571,21 +724,31 @@ class LocalTier:
             except LocalSnapshotError as e:
                 self.events.emit(RunWarning(kind="local_snapshot_skipped", step=ckpt_id[0], reason=str(e)))
                 continue
-            verified.append(ckpt_id[0])
-        everyone: list = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(everyone, verified, group=self.group)
-        common = set.intersection(*(set(steps) for steps in everyone))
-        self.newest = max(common, default=0)
-        return self.newest
+            verified.append(ckpt_id)
+        self._available = [None] * dist.get_world_size(self.group)  # the whole world: index = global rank
+        dist.all_gather_object(self._available, verified, group=self.group)
+        owners: dict[int, set[int]] = {}
+        for step, owner, _ in chain.from_iterable(self._available):
+            owners.setdefault(step, set()).add(owner)
+        world = set(range(len(self._available)))
+        self.newest = max((step for step, held in owners.items() if held == world), default=0)
+        own = all(self.newest in {i[0] for i in ids if i[1] == rank} for rank, ids in enumerate(self._available))
+        return self.newest, "local" if own else "peer"
 
     def load(self, step: int) -> dict:
-        """This rank's snapshot of ``step`` (one :meth:`find_latest` agreed on), verified again
+        """Collective with replicas: this rank's snapshot of ``step`` (one :meth:`find_latest`
+        agreed on), its own or a peer's replica sent by the peer, verified again where it is read
         before it is unpickled.
         """
-        return self.manager._load_fn(self.manager._ckpt_id(step)).state_dict
+        ckpt_id = self.manager._ckpt_id(step)
+        if self.retrieval is None:
+            return self.manager._load_fn(ckpt_id).state_dict
+        plan = self.retrieval.retrieve_plan(self._available, [ckpt_id])  # its own copy where it holds one
+        mine = {i: self.manager._load_fn(i) for i in plan.required_ids()}  # what it sends (and keeps)
+        return self.retrieval.retrieve_execute(plan, mine)[ckpt_id].state_dict
 
     def remove(self) -> None:
-        """Remove this rank's snapshots, and the run's folder once no rank has any left."""
+        """Remove this rank's snapshots, and the run's folder once no rank has any left (after :meth:`finish`)."""
         shutil.rmtree(self.manager.local_ckpt_dir, ignore_errors=True)
         with contextlib.suppress(OSError):  # another rank of this node still has its folder there
             self.root.rmdir()

@@ -52,8 +52,16 @@ from trainer.events import (
 )
 from trainer.faults import FaultInjector
 from trainer.process import die_with_parent, process_start_time
-from trainer.rank.config import Timeouts, TrainConfig, add_train_arguments
-from trainer.rank.resilience import AsyncCheckpointWriter, Attempt, LocalTier, RankMonitor, make_store, run_restartable
+from trainer.rank.config import Timeouts, TrainConfig, add_train_arguments, replica_cliques
+from trainer.rank.resilience import (
+    AsyncCheckpointWriter,
+    Attempt,
+    LocalTier,
+    RankMonitor,
+    make_store,
+    replication_groups,
+    run_restartable,
+)
 from trainer.rank.runtime import build_fsdp_model, detect_runtime, init_process_group, rng_state, set_rng_state
 from trainer.rank.system import start_system_sampler
 from trainer.storage.mirror import CheckpointMirror
@@ -133,14 +141,15 @@ def _copy_shards_into(template: object, saved: object) -> object:
 
 
 def resume(checkpointer: Checkpointer, local: LocalTier | None, state: TrainState) -> tuple[int, str]:
-    """Restore the newest complete state every rank can load: the local tier's when it is newer
-    than the durable checkpoint, else the durable one. Returns its step (0: none) and tier.
+    """Restore the newest complete state every rank can load: the local tier's (each rank's own
+    snapshot, else a peer's replica of it) when it is newer than the durable checkpoint, else the
+    durable one. Returns its step (0: none) and source (``local``, ``peer`` or ``durable``).
     """
     durable = checkpointer.find_latest()
-    newest_local = local.find_latest() if local is not None else 0
+    newest_local, source = local.find_latest() if local is not None else (0, "local")
     if newest_local > durable:
         state.restore(local.load(newest_local))
-        return newest_local, "local"
+        return newest_local, source
     if durable:
         checkpointer.load(durable, state.load)
     return durable, "durable"
@@ -277,8 +286,14 @@ def _train(
     local = None
     if cfg.local_ckpt_every:
         tier_dir = local_tier_dir(run_dir, cfg.trajectory_hash())
-        local = LocalTier(tier_dir, every=cfg.local_ckpt_every, group=ckpt_group, save_group=save_group, events=events)
-    faults = FaultInjector(cfg.faults, run_dir, rt.rank, events, local_dir=local.directory if local else None)
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size))
+        nnodes = rt.world_size // per_node
+        cliques = replica_cliques(nnodes, per_node, cfg.replicas(nnodes))
+        local = LocalTier(
+            tier_dir, every=cfg.local_ckpt_every, group=ckpt_group, save_group=save_group, events=events,
+            replication=replication_groups(cliques, resume_timeout_s=timeouts.barrier, save_timeout_s=save_timeout),
+        )  # fmt: skip
+    faults = FaultInjector(cfg.faults, run_dir, rt.rank, events, local_newest=local.newest_own if local else None)
     marks["model_built"] = time.time()
 
     def alive() -> None:
@@ -325,8 +340,10 @@ def _train(
             local.step(step, partial(state.local_snapshot, step))
     monitor.stop()
     status = "preempted" if stop else "completed" if last == cfg.steps else "stopped"
-    if local is not None and status == "completed":  # a run stopped or preempted may be resumed
-        local.remove()
+    if local is not None:
+        local.finish()  # the write in flight: done and agreed on
+        if status == "completed":  # a run stopped or preempted may be resumed
+            local.remove()
     if rt.rank == 0:
         events.emit(RunEnd(status=status, step=step))
     dist.destroy_process_group()
