@@ -186,13 +186,14 @@ def worker(args: argparse.Namespace) -> None:
     dcp_group = dist.new_group(backend="gloo", timeout=timeout)  # dcp.async_save's own
     harness = dist.new_group(backend="gloo", timeout=timeout)
 
+    async_writer = AsyncCheckpointWriter(cuda=False)  # before the state exists, as in the trainer: its worker is forked now
     model = build_fsdp_model(size, rt, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     loader = TokenLoader(load_split(Path(args.data), "train"), size.seq_len, params["batch"], rt.rank, rt.world_size)
     state = TrainState(model, optimizer, loader, RankMonitor(), ckpt_group)
     work = Path(args.work)
     methods = {
-        "nvrx_async": _CheckpointerMethod(work / "nvrx_async", AsyncCheckpointWriter(cuda=False), state, ckpt_group),
+        "nvrx_async": _CheckpointerMethod(work / "nvrx_async", async_writer, state, ckpt_group),
         "torch_save": _TorchSave(work / "torch_save", state, ckpt_group),
         "dcp_save": _CheckpointerMethod(work / "dcp_save", SyncDcpWriter(), state, ckpt_group),
         "dcp_async_save": _DcpAsyncSave(work / "dcp_async_save", state, dcp_group),

@@ -227,6 +227,23 @@ def test_a_prepared_async_writer_saves_first_with_the_cached_plan(one_rank: None
         writer.close()
 
 
+@pytest.mark.slow
+def test_async_writer_forks_its_worker_when_created_on_cpu() -> None:
+    """On CPU the background worker runs as soon as the writer exists, a fork of the rank (no
+    interpreter started, nothing imported again: a restart does not pay for one), and it ends
+    with close()."""
+    from trainer.rank.resilience import AsyncCheckpointWriter
+
+    writer = AsyncCheckpointWriter(cuda=False)
+    try:
+        worker = writer._caller.process
+        assert worker.is_alive()
+        assert Path(f"/proc/{worker.pid}/cmdline").read_bytes() == Path("/proc/self/cmdline").read_bytes()
+    finally:
+        writer.close()
+    assert not worker.is_alive()
+
+
 def test_with_a_signing_key_only_signed_checkpoints_load(one_rank: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Someone who can write the checkpoint's storage replaces a shard and rewrites its checksum in
     the manifest: checksums alone cannot tell; the signature can."""

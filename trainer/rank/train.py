@@ -364,8 +364,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(FATAL_EXIT_CODE)
     cuda = torch.cuda.is_available()
     die_with_parent()  # a launcher that is gone preempts this rank: nothing outlives it
-    # One writer per process: its background worker survives in-process restarts (forked at once
-    # on CPU; on CUDA spawned after the first step: :meth:`Checkpointer.prepare`).
+    # One writer per process: its background worker survives in-process restarts. Created here,
+    # before any training state: on CPU its worker is forked now; on CUDA it is spawned after the
+    # first step (:meth:`Checkpointer.prepare`).
     writer = AsyncCheckpointWriter(cuda=cuda) if cfg.ckpt_mode == "async" else SyncDcpWriter()
     primary = cfg.checkpoint_uri and os.environ.get("RANK") == "0"
     mirror = CheckpointMirror(cfg.checkpoint_uri, Path(cfg.run_dir), keep_last=cfg.keep_last) if primary else None
