@@ -13,6 +13,8 @@ the product already has, so that each cost is a measured row:
   its rank monitors and the per-step heartbeat
 - ``wrapper``: ``ft_launcher`` + the in-process wrapper (``rfsdp train``, no checkpoint before the end)
 - ``resilient``: everything (``rfsdp train`` with its default checkpoint interval)
+- ``local_tier``: ``resilient`` + the local tier, a snapshot in memory every step
+  (``--local-ckpt-every 1``; every other method runs without it)
 - ``resilient_loaded`` / ``plain_loaded``: those two with a competing busy process on the cores
 
 Every method is compared with the plain loop (``ratio``) and with the method it adds one thing to
@@ -58,7 +60,7 @@ from trainer.rank.runtime import build_fsdp_model, detect_runtime, init_process_
 from trainer.rank.train import TrainState, lr_at, train_step
 
 BASE = {
-    "resilient": "plain", "plain": None, "trainer": "plain", "async_ckpt": "trainer", "sync_ckpt": "trainer",
+    "resilient": "plain", "local_tier": "resilient", "plain": None, "trainer": "plain", "async_ckpt": "trainer", "sync_ckpt": "trainer",
     "ft_launcher": "trainer", "wrapper": "ft_launcher", "resilient_loaded": "plain_loaded", "plain_loaded": None,
 }  # fmt: skip
 """Each method and the method it adds one component to (None: the reference)."""
@@ -122,12 +124,14 @@ def run_method(method: str, model: str, steps: int, run_dir: Path, data: Path) -
         fresh_dir(run_dir)
         # No checkpoint before the end unless the method is about checkpoints; the end's comes
         # after the last timed step.
-        ckpt_every = CKPT_EVERY if kind in ("resilient", "async_ckpt", "sync_ckpt") else steps + 1
+        ckpt_every = CKPT_EVERY if kind in ("resilient", "local_tier", "async_ckpt", "sync_ckpt") else steps + 1
         cfg = TrainConfig(
             data=str(data), run_dir=str(run_dir), model=model, steps=steps, ckpt_every=ckpt_every,
-            ckpt_mode="sync" if kind == "sync_ckpt" else "async", inprocess_restart=kind in ("resilient", "wrapper"),
+            ckpt_mode="sync" if kind == "sync_ckpt" else "async", inprocess_restart=kind in ("resilient", "local_tier", "wrapper"),
+            local_ckpt_every=int(kind == "local_tier"),
         )  # fmt: skip
-        run = run_rfsdp if kind in ("resilient", "wrapper", "ft_launcher") else lambda c: run_torchrun_trainer(c, max_restarts=0)
+        full_stack = kind in ("resilient", "local_tier", "wrapper", "ft_launcher")
+        run = run_rfsdp if full_stack else lambda c: run_torchrun_trainer(c, max_restarts=0)
         code, _ = run(cfg)
         return [e.time for e in select(read_events(run_dir), Step)] if not code else []
 
@@ -163,7 +167,7 @@ def run(quick: bool, work: Path, data: Path) -> dict:
                     "samples": rates[(method, model)],
                 }
         methods[method] = {**models[params["primary"]], "base": base, "models": models}
-    ours, wrapper = methods["resilient"]["ratio"], methods["wrapper"]["ratio"]
+    ours, wrapper, local = methods["resilient"]["ratio"], methods["wrapper"]["ratio"], methods["local_tier"]["vs_base"]
     return {
         "benchmark": "overhead",
         "params": {**params, "ranks": 2, "ckpt_every": CKPT_EVERY, "skip": SKIP},
@@ -173,6 +177,8 @@ def run(quick: bool, work: Path, data: Path) -> dict:
             target("resilience overhead (1 - resilient/plain steps/s) <= 0.02", 1 - ours, 0.02),
             target("stack without checkpoints (wrapper) / plain steps/s >= 0.98", wrapper, 0.98, at_least=True),
             target(f"stack with async checkpoints every {CKPT_EVERY} (resilient) / plain >= 0.95", ours, 0.95, at_least=True),
+            # step time with the tier <= 1.05x without it, i.e. steps/s >= 1 / 1.05
+            target("local tier every step: steps/s vs resilient >= 0.952 (step time <= 1.05x)", local, 1 / 1.05, at_least=True),
         ],
     }
 

@@ -22,6 +22,7 @@ EXPECTED = {
     "overhead": {
         "methods": {
             "resilient",
+            "local_tier",
             "plain",
             "trainer",
             "async_ckpt",
