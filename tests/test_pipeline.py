@@ -53,7 +53,7 @@ EXPECTED_PARAMETERS = {
 }  # fmt: skip
 HEADLINE = {
     "goodput (%)", "restarts in-process", "restarts in-job", "recovery p50 (s)", "recovery max (s)", "lost steps",
-    "checkpoint stall p50 (s)", "checkpoint overhead (%)", "final loss", VERDICT,
+    "lost steps max per fault", "checkpoint stall p50 (s)", "checkpoint overhead (%)", "final loss", VERDICT,
 }  # fmt: skip
 
 
