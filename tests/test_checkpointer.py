@@ -7,6 +7,11 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.conftest import ROOT
 from trainer.checkpoint import (
     CHECKPOINTS,
     MANIFEST,
@@ -242,6 +248,28 @@ def test_async_writer_forks_its_worker_when_created_on_cpu() -> None:
     finally:
         writer.close()
     assert not worker.is_alive()
+
+
+@pytest.mark.slow
+def test_a_rank_killed_with_its_process_group_leaves_no_semaphore_in_dev_shm() -> None:
+    """The launcher SIGKILLs a failed rank's whole process group, so nothing of the rank cleans up
+    after it: its writer's interprocess queues must leave no file in /dev/shm (the pod's memory,
+    which outlives container restarts)."""
+    rank = textwrap.dedent("""
+        from trainer.rank.resilience import AsyncCheckpointWriter
+        writer = AsyncCheckpointWriter(cuda=False)
+        print("ready", flush=True)
+        input()
+    """)
+    before = set(Path("/dev/shm").glob("sem.*"))
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
+    proc = subprocess.Popen([sys.executable, "-c", rank], cwd=ROOT, start_new_session=True, **pipes)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the rank, its worker and its resource tracker, as the launcher does
+        proc.wait()
+    assert sorted(p.name for p in set(Path("/dev/shm").glob("sem.*")) - before) == []
 
 
 def test_with_a_signing_key_only_signed_checkpoints_load(one_rank: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import multiprocessing
 import os
 import queue
 import time
@@ -203,10 +204,13 @@ def test_outside_internals_the_async_writer_relies_on() -> None:
     from nvidia_resiliency_ext.checkpointing.async_ckpt.core import PersistentAsyncCaller
     from torch.distributed import _state_dict_utils
 
+    from trainer.rank.resilience import _ForkedCaller
+
     assert importlib.metadata.version("nvidia-resiliency-ext") == "0.4.1"
     caller = PersistentAsyncCaller()
     assert caller.process is None and hasattr(caller.queue, "put") and hasattr(caller.comp_q, "get_nowait")
     assert hasattr(caller.preload_q, "get")
+    assert vars(_ForkedCaller(multiprocessing.get_context("fork"))).keys() == vars(caller).keys()  # its fields, our queues
     # The worker loop, started by the writer itself (NVRx always spawns it).
     assert list(inspect.signature(PersistentAsyncCaller.async_loop).parameters) == ["rank", "queue", "preload_q", "comp_q", "log_level"]
     assert "if self.process is None:" in inspect.getsource(PersistentAsyncCaller.schedule_async_call)

@@ -58,7 +58,8 @@ PORT_BASE_ENV = "RFSDP_PORT_BASE"
 #   worker loop ``async_loop(rank, queue, preload_q, comp_q, log_level)``: to start the worker
 #   ourselves (NVRx always spawns it; on CPU it is forked here), to respawn a dead one, to stop it
 #   without NVRx's ``close()`` (which joins a queue a dead worker never answers), and to empty the
-#   completion queue we do not read (its feeder would block the worker's exit).
+#   completion queue we do not read (its feeder would block the worker's exit); and its fields, to
+#   make a forked worker's queues in a fork context (:class:`_ForkedCaller`).
 # - ``filesystem_async._results_queue``: NVRx's writer takes its results queue from this global,
 #   creating it with a multiprocessing Manager (a spawned server process: seconds, on the path of
 #   every in-job restart, or in the first save's stall). The worker here reports into a queue of
@@ -276,14 +277,34 @@ class AsyncCheckpointWriter:
         if self._caller is None or (self._caller.process is not None and not self._caller.process.is_alive()):
             if self._caller is not None:
                 self._caller.process = None  # dead: nothing to join
-            caller = PersistentAsyncCaller()
+            context = multiprocessing.get_context("spawn" if self.cuda else "fork")
+            caller = PersistentAsyncCaller() if self.cuda else _ForkedCaller(context)
             caller.rank = int(os.environ.get("RANK", 0))
             log_level = logging.getLogger(PersistentAsyncCaller.__module__).getEffectiveLevel()  # as NVRx passes it
             loop_args = (caller.rank, caller.queue, caller.preload_q, caller.comp_q, log_level)
-            context = multiprocessing.get_context("spawn" if self.cuda else "fork")
             caller.process = context.Process(target=_worker_main, args=(os.getpid(), *loop_args))
             caller.process.start()  # NVRx's schedule_async_call starts none once it has one
             self._caller = caller
+
+
+class _ForkedCaller(PersistentAsyncCaller):
+    """NVRx's caller with its queues made for a forked worker.
+
+    NVRx makes them in a spawn context, whose semaphores are named files in /dev/shm until their
+    owner's resource tracker removes them. The launcher kills a rank's whole process group, tracker
+    included, so every SIGKILL of a rank left its 19 behind; a fork context's have no name at all.
+    A spawned worker (CUDA) opens them by name, so it keeps NVRx's own.
+    """
+
+    def __init__(self, context: multiprocessing.context.BaseContext) -> None:
+        self.process = None
+        self.start_time = None
+        self.queue = context.JoinableQueue()
+        self.preload_q = context.JoinableQueue()
+        self.comp_q = context.Queue()
+        self.cur_item = None
+        self.cur_idx = -1
+        self.rank = None
 
 
 def _agree_and_finalize(started: _StartedWrite, group: dist.ProcessGroup) -> None:
