@@ -53,7 +53,7 @@ def train(
         steps: total optimizer steps.
         ckpt_every: checkpoint interval in steps.
         ckpt_mode: ``async`` or ``sync``.
-        local_ckpt_every: local snapshot interval in steps, to each node's memory (0 off).
+        local_ckpt_every: local snapshot interval in steps, to each node's memory (0 off; -1: every step up to model small).
         local_replicas: peer copies of each rank's local snapshots on other nodes (-1: 1 when nnodes > 1 and the tier is on).
         nnodes: replicas (PyTorchJob Worker pods).
         nproc_per_node: worker processes per replica.

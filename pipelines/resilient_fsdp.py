@@ -123,7 +123,8 @@ def resilient_fsdp_training(
         ckpt_every: Checkpoint interval in steps (the last step is always checkpointed).
         ckpt_mode: Checkpoint writer: async (NVRx background writer) or sync (blocking baseline).
         local_ckpt_every: Local snapshot interval in steps: each rank's state also goes to its node's memory (/dev/shm,
-            sized for it), and a recovery resumes from it when it is newer than the durable checkpoint (0 = off).
+            sized for it), and a recovery resumes from it when it is newer than the durable checkpoint (0 = off; -1 = every
+            step for the models up to small, off for larger ones).
         local_replicas: Peer copies of each rank's local snapshots, held on other nodes, so that a replaced node's state comes
             back from a peer (-1 = 1 when nnodes > 1 and local_ckpt_every is on, else 0; fewer than nnodes).
         nnodes: Replicas: PyTorchJob Worker pods (kubernetes) or ft_launcher processes (local).

@@ -26,7 +26,7 @@ from trainer.launch import WORKSPACE_MOUNT
 from trainer.launch.k8s import ClusterOptions, build_pytorchjob, quantity_bytes
 from trainer.launch.local import check_local_replicas, check_local_tier, local_tier_bytes
 from trainer.launch.spec import LaunchSpec
-from trainer.rank.config import TrainConfig, replica_cliques
+from trainer.rank.config import MODEL_SIZES, TrainConfig, replica_cliques
 from trainer.rank.resilience import LocalTier
 
 LOCAL = ("--ckpt-every", "10", "--local-ckpt-every", "1")
@@ -97,9 +97,20 @@ def test_the_background_write_keeps_the_state_it_was_handed(one_rank: dist.Proce
 def test_replicas_default_to_one_with_another_node_and_a_local_tier() -> None:
     local = TrainConfig(data="d", run_dir="r", local_ckpt_every=1)
     assert [local.replicas(nnodes) for nnodes in (1, 2, 3)] == [0, 1, 1]
-    assert TrainConfig(data="d", run_dir="r").replicas(2) == 0  # no local tier: nothing to replicate
+    assert TrainConfig(data="d", run_dir="r", local_ckpt_every=0).replicas(2) == 0  # no local tier: nothing to replicate
+    assert TrainConfig(data="d", run_dir="r").replicas(2) == 1  # the tiny model's tier is on by default
     assert TrainConfig(data="d", run_dir="r", local_ckpt_every=1, local_replicas=0).replicas(2) == 0
     assert TrainConfig(data="d", run_dir="r", local_ckpt_every=1, local_replicas=2).replicas(3) == 2
+
+
+def test_the_local_tier_is_on_every_step_by_default_up_to_the_small_model() -> None:
+    """The default rule (-1): a snapshot every step for the models whose two snapshots fit any node
+    (about 100 MiB at most), off for larger ones; what is given is kept."""
+    by_default = {model: TrainConfig(data="d", run_dir="r", model=model).local_ckpt_every for model in MODEL_SIZES}
+    assert by_default == {"tiny": 1, "small": 1, "base": 0, "large": 0, "1b": 0}
+    assert TrainConfig(data="d", run_dir="r", model="base", local_ckpt_every=5).local_ckpt_every == 5
+    assert TrainConfig(data="d", run_dir="r", local_ckpt_every=0).local_ckpt_every == 0
+    assert "--local-ckpt-every 1" in " ".join(TrainConfig(data="d", run_dir="r", model="small").to_argv())  # ranks get the rule's value
 
 
 def test_cliques_hold_each_rank_on_other_nodes() -> None:
@@ -126,7 +137,7 @@ def test_cliques_hold_each_rank_on_other_nodes() -> None:
          "--local-replicas: 1 replica(s) of local snapshots need other nodes to hold them, but nnodes is 1"),
         (("--nnodes", "2", "--nproc-per-node", "1", "--local-ckpt-every", "1", "--local-replicas", "2"),
          "--local-replicas: 2 replicas of local snapshots need 3 nodes (one per copy), but nnodes is 2"),
-        (("--nnodes", "2", "--nproc-per-node", "1", "--local-replicas", "1"),
+        (("--nnodes", "2", "--nproc-per-node", "1", "--local-ckpt-every", "0", "--local-replicas", "1"),
          "--local-replicas: 1 replica(s) of local snapshots need --local-ckpt-every (0: off)"),
         (("--local-ckpt-every", "1", "--local-replicas", "-2"), "--local-replicas: must be at least 0 (or -1: the default rule), got -2"),
     ],
@@ -243,14 +254,15 @@ def test_a_rank_gets_its_snapshot_back_from_its_peer(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ refused before launch
 def test_a_negative_interval_is_refused_before_launch(data_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    proc = rfsdp("train", "--quiet", "--data", str(data_dir), "--run-dir", str(run), "--local-ckpt-every", "-1")
-    assert proc.returncode == 2 and "--local-ckpt-every: must be at least 0 (0: off), got -1" in proc.stderr, proc.stderr
+    proc = rfsdp("train", "--quiet", "--data", str(data_dir), "--run-dir", str(run), "--local-ckpt-every", "-2")
+    message = "--local-ckpt-every: must be at least 1 (or 0: off, -1: the default rule), got -2"
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (run / "events.jsonl").exists()
 
 
 def test_corrupting_a_local_snapshot_needs_one() -> None:
     with pytest.raises(ParameterError, match="^--fault: corrupt-local@5:1 corrupts a local snapshot"):
-        TrainConfig(data="d", run_dir="r", fault="corrupt-local@5:1")
+        TrainConfig(data="d", run_dir="r", fault="corrupt-local@5:1", local_ckpt_every=0)
     with pytest.raises(ParameterError, match="needs --local-ckpt-every below step 5"):
         TrainConfig(data="d", run_dir="r", fault="corrupt-local@5:1", local_ckpt_every=5)
     TrainConfig(data="d", run_dir="r", fault="corrupt-local@5:1", local_ckpt_every=1)

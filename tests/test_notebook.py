@@ -232,7 +232,7 @@ def test_notebook_compares_real_runs(data_dir: Path, faulty_run: Path, mlflow_se
         assert table.loc[r.label, "restarts in-job"] == logged["restarts_in_job"]
     assert table.loc["sync-nofaults", "ckpt mode"] == "sync" and table.loc["sync-nofaults", "restarts in-process"] == 0
     assert table.loc["notebook/async-faults", "restarts in-process"] >= 1 and table.loc["notebook/async-faults", "restarts in-job"] >= 1
-    assert set(compare.checkpoint_blocking(runs)["kind"]) == {"sync", "async"}
+    assert set(compare.checkpoint_blocking(runs)["kind"]) == {"sync", "async", "local"}  # the tiny model's local tier: on by default
     agreement = compare.reference_agreement(compare.loss_vs_reference(runs))
     assert set(agreement.index) == {"notebook/async-faults", "notebook-b/async-faults"}
     assert set(agreement["reference"]) == {"sync-nofaults"} and agreement["exact"].all()  # exact resume

@@ -61,8 +61,17 @@ EACH_FAULT = {"exception@12:1": "in_process", "sigkill@23:0": "in_job", "hang@34
 @pytest.fixture(scope="module")
 def faulted_run(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> FaultedRun:
     run = tmp_path_factory.mktemp("faulted") / "run"
-    proc = train(data_dir, run, "--steps", "60", "--fault", ",".join(EACH_FAULT) + ",corrupt-event@50", "--max-restarts", "5", timeout=900)
+    faults = ",".join(EACH_FAULT) + ",corrupt-event@50"
+    proc = train(data_dir, run, "--steps", "60", "--local-ckpt-every", "0", "--fault", faults, "--max-restarts", "5", timeout=900)
     return FaultedRun(run, proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def faulted_run_local(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same faults with the default tiers: a durable checkpoint every 10 steps, a local snapshot every step."""
+    run = tmp_path_factory.mktemp("faulted_local") / "run"
+    train(data_dir, run, "--steps", "60", "--fault", ",".join(EACH_FAULT), "--max-restarts", "5", timeout=900)
+    return run
 
 
 @pytest.mark.parametrize(("fault", "layer"), EACH_FAULT.items())
@@ -82,6 +91,19 @@ def test_each_fault_is_recovered_exactly(faulted_run: FaultedRun, baseline_60: P
     assert resumed in (due, due - 10) and (resumed == due or due not in published)
     assert restart.lost_steps == step - 1 - resumed and restart.recovery_s > 0
     assert losses(faulted_run.run) == losses(baseline_60)
+
+
+@pytest.mark.parametrize(("fault", "layer"), EACH_FAULT.items())
+def test_each_fault_loses_at_most_one_step_with_the_local_tier(faulted_run_local: Path, baseline_60: Path, fault: str, layer: str) -> None:
+    """Every rank fault, hang included, resumes from the snapshot in its node's memory: at most one
+    step redone (the last step's snapshot may still be being written when the fault comes)."""
+    kind, step = fault.split(":")[0].split("@")
+    events = read_events(faulted_run_local)
+    (fired,) = [e for e in events if isinstance(e, FaultFired) and e.kind == kind]
+    restart = next(e for e in events if isinstance(e, Restart) and e.time > fired.time)
+    assert (restart.layer, restart.source) == (layer, "local"), restart
+    assert restart.lost_steps <= 1 and restart.resumed_from_step == int(step) - 1 - restart.lost_steps
+    assert losses(faulted_run_local) == losses(baseline_60)
 
 
 def test_rank_0_prints_progress_and_each_restart(faulted_run: FaultedRun) -> None:
@@ -203,7 +225,7 @@ def test_a_full_disk_ends_the_job_for_good_and_keeps_the_last_checkpoint(data_di
     log = (run / "logs" / "replica_0.log").read_text()
     assert 1 <= log.count("will restart worker group") <= 2
     assert log.count("not restarting, the job met an error no restart can fix") == 2 * log.count("will restart worker group")
-    published = [e.step for e in events if isinstance(e, Checkpoint)]
+    published = [e.step for e in events if isinstance(e, Checkpoint) and e.tier == "durable"]
     assert published and latest_checkpoint(run).name == step_dir_name(published[-1])
     verify_checkpoint(latest_checkpoint(run))
 
@@ -221,7 +243,7 @@ def test_sigkill_during_background_write_never_publishes_it(data_dir: Path, tmp_
     """Rank 1 is killed right after handing its step-10 write to the background worker: the write
     is never finalized, so never published, and the job resumes from step 5."""
     run = tmp_path / "run"
-    train(data_dir, run, "--steps", "14", "--ckpt-every", "5", "--fault", "sigkill@10/write:1")
+    train(data_dir, run, "--steps", "14", "--ckpt-every", "5", "--local-ckpt-every", "0", "--fault", "sigkill@10/write:1")
     events = read_events(run)
     (restart,) = restarts(run)
     # Rank 0 may log step 5's publication just after rank 1's fault: with the save plan cached,
@@ -258,7 +280,8 @@ def cpu_hogs(repeat: int) -> Iterator[int]:
 @pytest.mark.parametrize("repeat", range(REPEAT))
 def test_soft_fault_in_every_save_phase_recovers_in_process(data_dir: Path, baseline_60: Path, tmp_path: Path, cpu_hogs: int) -> None:
     run = tmp_path / "run"
-    train(data_dir, run, "--steps", "60", "--ckpt-every", "5", "--fault", PHASE_FAULTS, "--max-inprocess-restarts", "8", timeout=900)
+    faults = ("--fault", PHASE_FAULTS, "--max-inprocess-restarts", "8")
+    train(data_dir, run, "--steps", "60", "--ckpt-every", "5", "--local-ckpt-every", "0", *faults, timeout=900)  # the durable tier's saves
     events = read_events(run)
     fired = [(e.step, e.phase, e.rank) for e in events if isinstance(e, FaultFired)]
     assert fired == [(5 * (i + 1), phase, i % 2) for i, phase in enumerate(SAVE_PHASES * 2)]

@@ -153,7 +153,8 @@ def check_local_tier(cfg: TrainConfig, spec: LaunchSpec, *, free_bytes: int) -> 
         raise ParameterError(
             "local_ckpt_every",
             f"{LOCAL_SNAPSHOTS} local snapshots of each of {spec.nproc_per_node} ranks on a node{held} need {need / 2**20:,.0f} MiB "
-            f"of /dev/shm (model {cfg.model}, world size {spec.world_size}), but {free_bytes / 2**20:,.0f} MiB are free",
+            f"of /dev/shm (model {cfg.model}, world size {spec.world_size}), but {free_bytes / 2**20:,.0f} MiB are free "
+            "(--local-ckpt-every 0: no local tier)",
         )
 
 

@@ -34,6 +34,11 @@ MODEL_SIZES: dict[str, ModelSize] = {
     "large": ModelSize(dim=1024, layers=24, heads=16, seq_len=512),  # ~300M
     "1b": ModelSize(dim=2048, layers=18, heads=16, seq_len=1024),  # ~0.9B: GPUs
 }
+LOCAL_TIER_MODELS = ("tiny", "small")
+"""Models whose local tier is on by default, a snapshot every step: their two snapshots per rank
+take at most about 100 MiB of a node's memory, and a snapshot's copy stalls the step far less than
+a recovery to the durable checkpoint costs (docs/checkpoints.md). A larger model's snapshots
+(12 bytes a parameter, twice, per node) are for the operator to budget: ``--local-ckpt-every``."""
 
 # Fields that define the training trajectory: resuming a run dir requires them to match.
 TRAJECTORY_FIELDS = (
@@ -62,10 +67,11 @@ class TrainConfig:
     """``async`` (NVRx background writer) or ``sync`` (blocking DCP save, the baseline)."""
     keep_last: int = 3
     """Published checkpoints kept by retention."""
-    local_ckpt_every: int = 0
+    local_ckpt_every: int = -1
     """Local snapshot interval in steps: each rank's state also goes to this node's memory
     (/dev/shm), at most two snapshots per rank, and recovery resumes from the newest one every
-    rank can load when it is newer than the durable checkpoint (0: off)."""
+    rank can load when it is newer than the durable checkpoint (0: off; -1: the default rule,
+    every step for the models up to ``small``, off for larger ones)."""
     local_replicas: int = -1
     """Peer copies of each rank's local snapshots, held by the same local rank on other nodes, so
     a replaced node's state comes back from a peer (-1: 1 when nnodes > 1 and the local tier is
@@ -114,8 +120,10 @@ class TrainConfig:
             raise ParameterError("model", f"unknown model {self.model!r} (known: {', '.join(MODEL_SIZES)})")
         if self.log_every < 0:
             raise ParameterError("log_every", f"must be at least 0, got {self.log_every}")
-        if self.local_ckpt_every < 0:
-            raise ParameterError("local_ckpt_every", f"must be at least 0 (0: off), got {self.local_ckpt_every}")
+        if self.local_ckpt_every < -1:
+            raise ParameterError("local_ckpt_every", f"must be at least 1 (or 0: off, -1: the default rule), got {self.local_ckpt_every}")
+        if self.local_ckpt_every == -1:
+            self.local_ckpt_every = 1 if self.model in LOCAL_TIER_MODELS else 0
         if self.local_replicas < -1:
             raise ParameterError("local_replicas", f"must be at least 0 (or -1: the default rule), got {self.local_replicas}")
         if self.local_replicas > 0 and not self.local_ckpt_every:

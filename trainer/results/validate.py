@@ -477,8 +477,9 @@ def _check_replays(t: _Target) -> Check:
             (scratch / CHECKPOINTS / LATEST).write_text(base_path.name + "\n")
         if (Path(t.cfg.run_dir) / RUN_CONFIG).is_file():
             shutil.copy(Path(t.cfg.run_dir) / RUN_CONFIG, scratch / RUN_CONFIG)
-        # Only the trajectory matters here: a blocking save and no restart layers keep it short.
-        cfg = dataclasses.replace(t.cfg, run_dir=str(scratch), stop_at_step=stop, ckpt_mode="sync", inprocess_restart=False)
+        # Only the trajectory matters here: a blocking save, no local tier and no restart layers keep it short.
+        no_tier = {"local_ckpt_every": 0, "local_replicas": 0}  # on one node: no peer could hold a replica either
+        cfg = dataclasses.replace(t.cfg, run_dir=str(scratch), stop_at_step=stop, ckpt_mode="sync", inprocess_restart=False, **no_tier)
         world = t.manifest["world_size"]
         try:
             code = launch_local(cfg, LaunchSpec(nnodes=1, nproc_per_node=world, max_restarts=0), progress=False)
