@@ -45,9 +45,17 @@ from trainer.process import process_start_time
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _MAX_MESSAGE = 1 << 20
-PRELOAD = (TRAIN_MODULE, "torch._dynamo")
-"""What a new rank imports before its first step: the trainer, and ``torch._dynamo``, which
-``torch.use_deterministic_algorithms`` imports on first use (FSDP2's DTensor would too)."""
+PRELOAD = (
+    TRAIN_MODULE,
+    "torch._dynamo",  # torch.use_deterministic_algorithms imports it on first use (FSDP2's DTensor would too)
+    "torch.distributed.checkpoint._fsspec_filesystem",  # DCP's load and save (fsspec)
+    "multiprocessing.queues",  # the checkpoint writer's forked worker
+    "multiprocessing.popen_fork",
+    "torch.utils.serialization.config",  # torch.save
+)
+"""What a new rank imports before its first step (found by diffing ``sys.modules`` between a
+forked rank's fork and its exit; CUDA's own, such as torch's CUPTI monitor, are left out: the
+zygote must not touch the device)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,8 +211,9 @@ def main() -> None:
     """``python -m trainer.launch.zygote ADDRESS AGENT_PID`` (started by ``trainer.launch.worker``)."""
     address, agent_pid = sys.argv[1], int(sys.argv[2])
     request = serve(address, agent_pid)
-    if request is not None:
-        run_rank(request, agent_pid)
+    if request is None:  # the zygote itself, done: nothing of it needs a teardown (its sockets go with it), so it ends at once
+        os._exit(0)
+    run_rank(request, agent_pid)
 
 
 if __name__ == "__main__":
