@@ -7,7 +7,8 @@ this process: it skips the interpreter's start and the imports (torch, DCP, NVRx
 
 What keeps a fork equal to a fresh interpreter:
 
-- The zygote only imports. It never runs a torch op and has no thread of its own when it forks
+- The zygote only imports. It never runs a torch op, calls no CUDA API (the device is first
+  touched in the rank) and has no thread of its own when it forks
   (an OpenMP or gloo pool would be inherited broken; OpenBLAS stops its pool around a fork by
   itself). The imports run in a short-lived thread at the lowest CPU priority (Linux priorities are
   per thread, and an unprivileged process cannot raise its own again): beside the job's first
