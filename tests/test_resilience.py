@@ -119,7 +119,9 @@ def test_every_recovery_and_save_has_its_timeline(faulted_run: FaultedRun) -> No
     """Where each second went, from the events a production run writes: phases in order, ending
     with the recovery (or the save's publication)."""
     for r in restarts(faulted_run.run):
-        new_process = ["process_started", "imports_done", "set_up"] if r.layer == "in_job" else []
+        # a new process: a fresh interpreter's imports, or a fork of the node's zygote (once it has imported)
+        start = "forked" if "forked" in r.phases else "imports_done"
+        new_process = ["process_started", start, "set_up"] if r.layer == "in_job" else []
         stages = ["wrapper_ready", "runtime", "store", "default_group", "process_group", "rank_monitor"]
         stages += ["model_built", "resumed", "first_step"]
         assert list(r.phases) == [*new_process, *stages], r

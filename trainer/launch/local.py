@@ -46,7 +46,9 @@ BACKENDS = ("local", "kubernetes")
 
 
 def worker_command(cfg: TrainConfig, ft_launcher: str = "ft_launcher") -> list[str]:
-    """The command every replica runs: ft_launcher (rendezvous from ``PET_*``) + the trainer."""
+    """The command every replica runs: ft_launcher (rendezvous from ``PET_*``) + the trainer, each
+    rank through the node's pre-warmed zygote (``trainer.launch.worker``).
+    """
     t = Timeouts(cfg.hang_timeout, cfg.inprocess_restart)
     return [
         ft_launcher,
@@ -57,7 +59,7 @@ def worker_command(cfg: TrainConfig, ft_launcher: str = "ft_launcher") -> list[s
         "--monitor-interval", "0.1",  # a rank's exit is seen within 0.1 s (torchrun's default; a check is cheap)
         "--term-timeout", f"{cfg.grace_period:g}",  # a SIGTERM it forwards to the ranks: their time to checkpoint
         "--workers-stop-timeout", "0",  # ranks it stops to restart them have nothing to save: SIGKILL at once
-        "-m", "trainer.rank.train", *cfg.to_argv(),
+        "-m", "trainer.launch.worker", *cfg.to_argv(),  # each rank forked by the node's zygote (trainer.launch.zygote)
     ]  # fmt: skip
 
 

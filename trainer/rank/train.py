@@ -349,17 +349,26 @@ def _train(
     dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Parse the config and train, inside the in-process restart wrapper when enabled."""
+def main(argv: list[str] | None = None, *, startup: dict[str, float] | None = None, launcher_started: float | None = None) -> None:
+    """Parse the config and train, inside the in-process restart wrapper when enabled.
+
+    Args:
+        argv: the train flags (default: the command line).
+        startup: when this process's start-up stages ended, unix times (default: a fresh
+            interpreter's ``process_started`` and ``imports_done``; a rank forked by the node's
+            zygote has its own).
+        launcher_started: when the launcher that started this rank started (default: the parent process's start).
+    """
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_arguments(parser)
     cfg = TrainConfig.from_mapping(vars(parser.parse_args(argv)))
     # ft_launcher restarts failed ranks whatever the cause: after a fatal error met since this
     # launcher started, its restarts end at once. (The job id alone is not enough: on Kubernetes it
     # is "none" unless elasticPolicy.rdzvId is set. A new job, once the cause is fixed, starts normally.)
-    startup = {"process_started": process_start_time(), "imports_done": IMPORTED_AT}
+    startup = dict(startup or {"process_started": process_start_time(), "imports_done": IMPORTED_AT})
+    launcher_started = launcher_started or process_start_time(os.getppid())
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    if restarted and (fatal := fatal_error(read_events(Path(cfg.run_dir)), _job_id(), since=process_start_time(os.getppid()))):
+    if restarted and (fatal := fatal_error(read_events(Path(cfg.run_dir)), _job_id(), since=launcher_started)):
         print(f"rank {os.environ.get('RANK')}: not restarting, the job met an error no restart can fix: {fatal.error}", file=sys.stderr)
         sys.exit(FATAL_EXIT_CODE)
     cuda = torch.cuda.is_available()

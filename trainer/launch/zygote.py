@@ -1,0 +1,221 @@
+"""A node's pre-warmed worker: imports the trainer once, then forks a ready rank per request.
+
+Started by the first worker of an agent (``trainer.launch.worker``, which documents the client's
+side) as ``python -m trainer.launch.zygote ADDRESS AGENT_PID``. A restarted rank is then a fork of
+this process: it skips the interpreter's start and the imports (torch, DCP, NVRx, the trainer and
+``torch._dynamo``), seconds of CPU each time ft_launcher restarts its workers.
+
+What keeps a fork equal to a fresh interpreter:
+
+- The zygote only imports. It never runs a torch op, calls no CUDA API (the device is first
+  touched in the rank) and has no thread of its own when it forks
+  (an OpenMP or gloo pool would be inherited broken; OpenBLAS stops its pool around a fork by
+  itself). The imports run in a short-lived thread at the lowest CPU priority (Linux priorities are
+  per thread, and an unprivileged process cannot raise its own again): beside the job's first
+  ranks, which start at the same time, they take idle CPU, not the ranks'; the forks inherit the
+  main thread's normal priority.
+- The rank gets the client's argv, environment, working directory and stdio (passed with
+  SCM_RIGHTS), leads a new session as torch elastic's workers do (its own children, such as the
+  checkpoint writer's worker, stay in its process group), and exits through the interpreter's
+  normal exit (atexit handlers, non-daemon threads joined).
+- The rank's pid is the one NVRx's rank monitor is told (``RankMonitorClient`` reports
+  ``os.getpid()``), so a hung rank is killed where it runs; its client then exits the same way.
+
+Lifetime: the rank's process group is SIGKILLed when its client's connection closes (the launcher
+killed the worker's group); a rank outlives no zygote (PR_SET_PDEATHSIG) and the zygote outlives
+no agent: once the agent process is gone it takes no more requests and exits when its last rank
+has. Its socket is in the abstract namespace: nothing is left on disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from trainer.launch.worker import TRAIN_MODULE, abstract, lock_address
+from trainer.process import process_start_time
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_MAX_MESSAGE = 1 << 20
+PRELOAD = (
+    TRAIN_MODULE,
+    "torch._dynamo",  # torch.use_deterministic_algorithms imports it on first use (FSDP2's DTensor would too)
+    "torch.distributed.checkpoint._fsspec_filesystem",  # DCP's load and save (fsspec)
+    "multiprocessing.queues",  # the checkpoint writer's forked worker
+    "multiprocessing.popen_fork",
+    "torch.utils.serialization.config",  # torch.save
+)
+"""What a new rank imports before its first step (found by diffing ``sys.modules`` between a
+forked rank's fork and its exit; CUDA's own, such as torch's CUPTI monitor, are left out: the
+zygote must not touch the device)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """What a client asked for: the rank it stands in for."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    client_pid: int
+    client_started: float
+    """When the client (the process the launcher started) started, unix seconds."""
+    fds: list[int]
+    """The client's stdin, stdout and stderr."""
+
+
+@dataclass(slots=True)
+class _Rank:
+    pid: int
+    pidfd: int
+    conn: socket.socket | None
+
+
+def _preload() -> None:
+    """Import :data:`PRELOAD` in a thread at the lowest priority, and wait for it."""
+    failed: list[BaseException] = []
+
+    def load() -> None:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        try:
+            for name in PRELOAD:
+                __import__(name)
+        except BaseException as e:  # re-raised in the main thread
+            failed.append(e)
+
+    thread = threading.Thread(target=load, name="zygote-preload")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+
+
+def _bind(address: str) -> socket.socket | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.bind(abstract(address))
+    except OSError:  # another zygote holds it
+        sock.close()
+        return None
+    sock.listen(16)
+    return sock
+
+
+def _accept(listener: socket.socket) -> tuple[socket.socket, Request] | None:
+    conn, _ = listener.accept()
+    try:
+        data, fds, _, _ = socket.recv_fds(conn, _MAX_MESSAGE, 3)
+        msg = json.loads(data)
+        if len(fds) != 3:
+            raise ValueError(f"{len(fds)} stdio descriptors")
+    except (OSError, ValueError) as e:
+        with contextlib.suppress(OSError):
+            conn.send(json.dumps({"error": f"bad request: {e}"}).encode())
+        conn.close()
+        return None
+    return conn, Request(msg["argv"], msg["env"], msg["cwd"], msg["pid"], msg["started"], fds)
+
+
+def serve(address: str, agent_pid: int) -> Request | None:
+    """Serve ``address`` until the agent is gone and every rank has ended (returns None), or,
+    in a forked rank, return that rank's request.
+    """
+    lock = _bind(lock_address(address))
+    if lock is None:
+        return None  # another zygote serves this agent, or is importing
+    try:
+        agent = os.pidfd_open(agent_pid)
+    except ProcessLookupError:
+        return None
+    _preload()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    listener = _bind(address)
+    if listener is None:
+        return None
+    ranks: dict[int, _Rank] = {}  # by pidfd
+    while listener is not None or ranks:
+        waiting = [r.pidfd for r in ranks.values()] + [r.conn for r in ranks.values() if r.conn is not None]
+        if listener is not None:
+            waiting += [listener, agent]
+        ready, _, _ = select.select(waiting, [], [])
+        for item in ready:
+            if item is agent:  # the run is over on this node: no more ranks
+                listener.close()
+                listener = None
+            elif item is listener:
+                if (accepted := _accept(listener)) is None:
+                    continue
+                conn, request = accepted
+                pid = os.fork()
+                if pid == 0:
+                    lock.close()  # the rank holds nothing of the zygote's
+                    listener.close()
+                    conn.close()
+                    for fd in [agent, *(r.pidfd for r in ranks.values())]:
+                        os.close(fd)
+                    for r in ranks.values():
+                        if r.conn is not None:
+                            r.conn.close()
+                    return request
+                for fd in request.fds:
+                    os.close(fd)
+                pidfd = os.pidfd_open(pid)
+                ranks[pidfd] = _Rank(pid, pidfd, conn)
+                with contextlib.suppress(OSError):
+                    conn.send(json.dumps({"pid": pid}).encode())
+            elif isinstance(item, int):  # a rank ended
+                rank = ranks.pop(item)
+                _, status = os.waitpid(rank.pid, 0)
+                os.close(rank.pidfd)
+                if rank.conn is not None:
+                    with contextlib.suppress(OSError):
+                        rank.conn.send(json.dumps({"status": status}).encode())
+                    rank.conn.close()
+            else:  # a client's connection closed: the launcher killed that worker, so the rank goes too
+                rank = next(r for r in ranks.values() if r.conn is item)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(rank.pid, signal.SIGKILL)
+                rank.conn.close()
+                rank.conn = None
+    return None
+
+
+def run_rank(request: Request, agent_pid: int) -> None:
+    """In the forked rank: become the client's process and run the trainer's main."""
+    forked = time.time()
+    os.setsid()
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    for target, fd in enumerate(request.fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request.cwd)
+    os.environ.clear()
+    os.environ.update(request.env)
+    train = sys.modules[TRAIN_MODULE]
+    sys.argv = [train.__file__, *request.argv]
+    startup = {"process_started": request.client_started, "forked": forked}
+    train.main(request.argv, startup=startup, launcher_started=process_start_time(agent_pid))
+
+
+def main() -> None:
+    """``python -m trainer.launch.zygote ADDRESS AGENT_PID`` (started by ``trainer.launch.worker``)."""
+    address, agent_pid = sys.argv[1], int(sys.argv[2])
+    request = serve(address, agent_pid)
+    if request is None:  # the zygote itself, done: nothing of it needs a teardown (its sockets go with it), so it ends at once
+        os._exit(0)
+    run_rank(request, agent_pid)
+
+
+if __name__ == "__main__":
+    main()
