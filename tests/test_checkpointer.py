@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -236,15 +237,21 @@ def test_a_prepared_async_writer_saves_first_with_the_cached_plan(one_rank: None
 @pytest.mark.slow
 def test_async_writer_forks_its_worker_when_created_on_cpu() -> None:
     """On CPU the background worker runs as soon as the writer exists, a fork of the rank (no
-    interpreter started, nothing imported again: a restart does not pay for one), and it ends
-    with close()."""
+    interpreter started, nothing imported again: a restart does not pay for one), at the lowest
+    CPU priority while the rank keeps its own, and it ends with close()."""
     from trainer.rank.resilience import AsyncCheckpointWriter
 
+    rank_priority = os.getpriority(os.PRIO_PROCESS, 0)
     writer = AsyncCheckpointWriter(cuda=False)
     try:
         worker = writer._caller.process
         assert worker.is_alive()
         assert Path(f"/proc/{worker.pid}/cmdline").read_bytes() == Path("/proc/self/cmdline").read_bytes()
+        deadline = time.monotonic() + 30  # it lowers its priority first thing after the fork
+        while os.getpriority(os.PRIO_PROCESS, worker.pid) != 19 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert os.getpriority(os.PRIO_PROCESS, worker.pid) == 19
+        assert os.getpriority(os.PRIO_PROCESS, 0) == rank_priority
     finally:
         writer.close()
     assert not worker.is_alive()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +18,16 @@ def die_with_parent(sig: signal.Signals = signal.SIGTERM) -> None:
     outlives the process that started it: a launcher killed outright still stops its children.
     """
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+def lower_priority() -> None:
+    """Give the calling thread the lowest CPU priority (niceness 19); the threads and processes it
+    starts afterwards inherit it (Linux: niceness is per thread). For background work that has
+    until its deadline, so that on cores the ranks keep busy it takes their idle moments, not
+    their time. Where the priority cannot be changed, nothing happens.
+    """
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def process_start_time(pid: int | None = None) -> float:

@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass
 
 from trainer.launch.worker import TRAIN_MODULE, abstract, lock_address
-from trainer.process import process_start_time
+from trainer.process import lower_priority, process_start_time
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _MAX_MESSAGE = 1 << 20
@@ -85,8 +85,7 @@ def _preload() -> None:
     failed: list[BaseException] = []
 
     def load() -> None:
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        lower_priority()
         try:
             for name in PRELOAD:
                 __import__(name)

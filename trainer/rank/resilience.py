@@ -45,7 +45,7 @@ from trainer.checkpoint import CheckpointWriteError, SaveHooks, write_rank_check
 from trainer.errors import NonTransientError, non_transient_cause
 from trainer.events import Checkpoint, CheckpointFailed, EventLog, RunWarning
 from trainer.fsutil import atomic_write_text
-from trainer.process import die_with_parent
+from trainer.process import die_with_parent, lower_priority
 from trainer.rank.config import Timeouts
 
 FT_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"
@@ -103,6 +103,9 @@ def _worker_main(rank_pid: int, *loop_args: object) -> None:
     die_with_parent(signal.SIGKILL)
     if os.getppid() != rank_pid:
         os._exit(0)
+    # Before any thread or process of its own, which inherit it: a write has until the next
+    # checkpoint, and where the ranks keep every core busy it should not take their time.
+    lower_priority()
     PersistentAsyncCaller.async_loop(*loop_args)
 
 
@@ -680,10 +683,7 @@ class LocalTier:
 
     def _write(self, write: _LocalWrite, snapshots: dict) -> None:
         """The background thread: prune to the newest complete step, then write ``snapshots``."""
-        # Lowest CPU priority (Linux: per thread): the write has until the next snapshot, and on a
-        # node whose cores the ranks keep busy it should take their idle moments, not their time.
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        lower_priority()  # the write has until the next snapshot
         began = time.perf_counter()
         try:
             self.manager.prune(keep=self.newest)  # at most two steps: the newest complete one and this one
