@@ -49,10 +49,16 @@ def one_rank(tmp_path: Path) -> Iterator[dist.ProcessGroup]:
 def test_snapshots_are_bounded_checksummed_and_a_corrupt_one_is_skipped(one_rank: dist.ProcessGroup, tmp_path: Path) -> None:
     (tmp_path / "run").mkdir()
     tier = LocalTier(tmp_path / "tier" / "run", every=2, group=one_rank, save_group=one_rank, events=EventLog(tmp_path / "run", 0))
+    witness = tmp_path / "witness"
     for step in range(1, 8):
         tier.step(step, lambda step=step: {"w": torch.full((4,), float(step)), "rank": {"step": step}})
+        if step == 2:
+            tier.finish()
+            os.link(tier.directory / "iter_0000002_0_local.pt", witness)  # holds its inode: no new file can take it
     tier.finish()  # the write in flight (step 6): done, and it counts
     assert snapshot_names(tier.directory) == ["iter_0000004_0_local.pt", "iter_0000006_0_local.pt"]  # at most two
+    assert sorted(p.name for p in tier.directory.iterdir() if p.suffix != ".sha256") == snapshot_names(tier.directory)
+    assert (tier.directory / "iter_0000006_0_local.pt").samefile(witness)  # step 2's file (its pages) was reused
     assert all((tier.directory / f"{name}.sha256").is_file() for name in snapshot_names(tier.directory))
     (tier.directory / "iter_0000008_0_local.pt").write_bytes(b"torn: no checksum written after it")
     assert tier.find_latest() == (6, "local")  # a file without its sidecar is not a snapshot
@@ -68,6 +74,8 @@ def test_snapshots_are_bounded_checksummed_and_a_corrupt_one_is_skipped(one_rank
     tier.step(8, lambda: {"w": torch.zeros(1), "rank": {}})  # prunes down to the one resumed from
     tier.finish()
     assert snapshot_names(tier.directory) == ["iter_0000004_0_local.pt", "iter_0000008_0_local.pt"]
+    assert tier.find_latest() == (8, "local")  # written over a longer file: nothing of that one is left in it
+    assert torch.equal(tier.load(8)["w"], torch.zeros(1))
 
     published = [e for e in read_events(tmp_path / "run") if isinstance(e, Checkpoint)]
     assert [(e.step, e.tier) for e in published] == [(2, "local"), (4, "local"), (6, "local"), (8, "local")]

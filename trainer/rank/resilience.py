@@ -437,7 +437,10 @@ def run_restartable(train_fn: Callable[[Attempt], None], timeouts: Timeouts, *, 
 #   ``find_latest()`` only finds the newest, so a corrupt newest one could not be skipped.
 # - ``_save`` / ``_load``: NVRx pickles the state dict object and loads it back with
 #   ``torch.load(weights_only=False)``; here the plain dict is saved with a SHA-256 sidecar written
-#   after it, and loaded only once its bytes match, with ``weights_only=True``.
+#   after it, and loaded only once its bytes match, with ``weights_only=True``. A pruned snapshot's
+#   file is kept as this owner's spare and overwritten by the next snapshot: its pages of node
+#   memory are reused, where a new file's are allocated and zeroed by the kernel (a third of a
+#   write's CPU, at every step).
 # - ``BasicTensorAwareStateDict`` asserts that every tensor is on CUDA and moves them back there
 #   on load: ``_HostStateDict`` drops both (the caller copies loaded values into its live tensors).
 # Peer replicas (``--local-replicas``) use NVRx's ``CliqueReplicationStrategy`` as it is (its
@@ -529,11 +532,20 @@ class _ChecksummedLocalManager(LocalCheckpointManager):
     def _save(self, state_dict: _HostStateDict, ckpt_id: tuple) -> None:
         self._ensure_dir()
         dirty, final = self._local_ckpt_path_from_id(ckpt_id, True), self._local_ckpt_path_from_id(ckpt_id)
-        with open(dirty, "xb") as f:  # exclusive, as NVRx's: a stale one was pruned before
-            writer = _HashingWriter(f)
+        mode = "xb"  # without a spare: a new file, exclusive as NVRx's (a stale one was pruned)
+        with contextlib.suppress(FileNotFoundError):
+            self._spare(ckpt_id[1]).rename(dirty)
+            mode = "r+b"
+        with open(dirty, mode) as file:
+            writer = _HashingWriter(file)
             torch.save(state_dict.state_dict, writer)
+            file.truncate()  # a spare may have been longer
         dirty.rename(final)
         atomic_write_text(_sidecar(final), writer.digest.hexdigest())
+
+    def _spare(self, owner: int) -> Path:
+        # Not NVRx's snapshot name pattern, nor ``iter_*``: never taken for a snapshot.
+        return Path(self.local_ckpt_dir) / f"spare_{owner}.pt"
 
     def _load(self, ckpt_id: tuple) -> _HostStateDict:
         path = self._local_ckpt_path_from_id(ckpt_id)
@@ -552,10 +564,16 @@ class _ChecksummedLocalManager(LocalCheckpointManager):
         return data
 
     def prune(self, keep: int | None) -> None:
-        """Remove this rank's snapshot files (torn ones and sidecars too) but those of ``keep``."""
+        """Remove this rank's snapshot files (torn ones and sidecars too) but those of ``keep``;
+        one file per owner becomes that owner's spare (see above).
+        """
         self._ensure_dir()
-        for path in self.local_ckpt_dir.glob("iter_*"):
-            if self._filename_to_id(path.name)[0] != keep:
+        stale = [p for p in self.local_ckpt_dir.glob("iter_*") if self._filename_to_id(p.name)[0] != keep]
+        for path in sorted(stale, key=lambda p: p.suffix != ".sha256"):  # a sidecar first: its snapshot no longer counts
+            spare = self._spare(self._filename_to_id(path.name)[1])
+            if path.suffix != ".sha256" and not spare.exists():
+                path.rename(spare)
+            else:
                 path.unlink(missing_ok=True)
 
 
@@ -627,6 +645,10 @@ class LocalTier:
         self.events = events
         self.rank = dist.get_rank()
         self.manager = _ChecksummedLocalManager(self.root.parent, session_id=self.root.name)
+        # torch.save's own CRC-32 of every record is a quarter of a snapshot's CPU, and the
+        # snapshot's SHA-256 covers it. Process-wide: every other file a rank saves with torch.save
+        # is under its checkpoint's SHA-256 too, checked before it is loaded.
+        torch.serialization.set_crc32_options(False)
         self.retrieval, self.replication = (
             (CliqueReplicationStrategy(_HostGroup(replication[0])), CliqueReplicationStrategy(_HostGroup(replication[1])))
             if replication
