@@ -135,6 +135,7 @@ def _check_soak(bench: dict) -> None:
         "soak goodput resilient / baseline", "soak goodput resilient", "soak goodput resilient_local / resilient",
     ]  # fmt: skip
     assert bench["methods"]["resilient_local"]["vs_single_tier"] > 0
+    assert bench["methods"]["resilient_local"]["ceiling_vs_single_tier"] >= 1  # the single tier's redone steps, removed
 
 
 def test_soak_schedule_cycles_kinds_and_ranks() -> None:
