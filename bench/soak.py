@@ -8,7 +8,8 @@ fault schedule in steps, and a third method, ``resilient_local``: our stack with
 Faults are scheduled by step, so T is turned into a step interval by measurement: a calibration
 run of our stack without faults (checkpointing only at its end) gives the wall time per step
 (between consecutive step completions in its events, after a warm-up), and the interval is
-T / that, rounded to ``CKPTS_PER_INTERVAL`` checkpoint intervals, and each fault fires in
+T / that, rounded to a whole number of checkpoint intervals (``CKPTS_PER_INTERVAL`` by default:
+fewer model a schedule where durable checkpoints are dear, as at scale), and each fault fires in
 the middle of a checkpoint interval (the expected loss of a fault at a random time), both the same
 for both methods. Per method: goodput, ETTR, lost steps per fault, restarts by layer, wall time
 and where it went; per fault kind: recovery time and the recovery's stages (from ``restart``).
@@ -28,7 +29,7 @@ from trainer.rank.config import TrainConfig
 KINDS = ("exception", "sigkill", "hang")
 METHODS = ("resilient", "resilient_local", "baseline")
 CKPTS_PER_INTERVAL = 12
-"""Checkpoints per fault interval (every 5 s at a fault every 60 s)."""
+"""Durable checkpoints per fault interval by default (every 5 s at a fault every 60 s)."""
 SKIP = 5
 """Warm-up steps of the calibration run left out of the step time."""
 FULL = {"model": "tiny", "fault_every_s": 60.0, "faults": 6, "calibration_steps": 300, "seed": 0, "reps": 1}
@@ -45,6 +46,17 @@ def check_fault_every(seconds: float) -> float:
     if not (math.isfinite(seconds) and seconds >= MIN_FAULT_EVERY_S):
         raise ValueError(f"must be a number of seconds >= {MIN_FAULT_EVERY_S:g}, got {seconds:g}")
     return seconds
+
+
+def check_ckpts_per_fault(count: int) -> int:
+    """``count`` if it is a usable number of durable checkpoints per fault interval.
+
+    Raises:
+        ValueError: less than 1.
+    """
+    if count < 1:
+        raise ValueError(f"must be a whole number >= 1, got {count}")
+    return count
 
 
 def schedule(interval: int, ckpt_every: int, faults: int) -> tuple[int, str]:
@@ -72,17 +84,21 @@ def calibrate(work: Path, data: Path, params: dict) -> dict:
     }
 
 
-def run(quick: bool, work: Path, data: Path, fault_every: float | None = None) -> dict:
-    """Calibrate, then both methods under the same schedule of faults every ``fault_every`` s."""
-    params = dict(QUICK if quick else FULL)
+def run(quick: bool, work: Path, data: Path, fault_every: float | None = None, ckpts_per_fault: int | None = None) -> dict:
+    """Calibrate, then every method under the same schedule of faults every ``fault_every`` s,
+    with ``ckpts_per_fault`` durable checkpoints between two faults.
+    """
+    params = dict(QUICK if quick else FULL, ckpts_per_fault=CKPTS_PER_INTERVAL)
     if fault_every is not None:
         params["fault_every_s"] = check_fault_every(fault_every)
+    if ckpts_per_fault is not None:
+        params["ckpts_per_fault"] = check_ckpts_per_fault(ckpts_per_fault)
     work = fresh_dir(work / "soak")
     calibration = calibrate(work, data, params)
     # A whole number of checkpoint intervals between faults, so that every fault is as far from
     # its last checkpoint as the others.
-    ckpt_every = max(2, round(params["fault_every_s"] / calibration["step_wall_s"] / CKPTS_PER_INTERVAL))
-    interval = ckpt_every * CKPTS_PER_INTERVAL
+    ckpt_every = max(2, round(params["fault_every_s"] / calibration["step_wall_s"] / params["ckpts_per_fault"]))
+    interval = ckpt_every * params["ckpts_per_fault"]
     steps, fault = schedule(interval, ckpt_every, params["faults"])
     params |= {
         "benchmark": "soak",
@@ -143,7 +159,8 @@ def show(result: dict) -> None:
     c = p["calibration"]
     title = (
         f"soak: {p['model']} model, a fault every {p['fault_every_s']:g} s = {p['fault_interval_steps']} steps "
-        f"(calibrated {c['step_wall_s'] * 1000:.1f} ms/step), {p['steps']} steps, checkpoint every {p['ckpt_every']}"
+        f"(calibrated {c['step_wall_s'] * 1000:.1f} ms/step), {p['steps']} steps, checkpoint every {p['ckpt_every']} "
+        f"({p['ckpts_per_fault']} per fault interval)"
     )
     show_methods(title, result["methods"])
     kinds = [(f"{kind}: {name}", k) for name, per in result["per_kind"].items() for kind, k in per.items()]

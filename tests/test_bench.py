@@ -48,7 +48,8 @@ def _finite(value: object) -> bool:
 @pytest.mark.parametrize("name", list(EXPECTED))
 def test_quick_benchmark_writes_json(name: str, tmp_path: Path) -> None:
     out = tmp_path / "results" / "bench.json"
-    proc = rfsdp("bench", name, "--quick", "--json", str(out), "--work", str(tmp_path / "work"), timeout=1400)
+    options = ("--ckpts-per-fault", "3") if name == "soak" else ()  # the soak's own option on its way through
+    proc = rfsdp("bench", name, "--quick", *options, "--json", str(out), "--work", str(tmp_path / "work"), timeout=1400)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert name in proc.stdout  # the table was printed
     results = json.loads(out.read_text())
@@ -107,6 +108,7 @@ def _check_soak(bench: dict) -> None:
     p = bench["params"]
     assert _finite(p["calibration"]["step_wall_s"]) and p["calibration"]["step_wall_s"] > 0
     assert (p["steps"], p["fault"]) == schedule(p["fault_interval_steps"], p["ckpt_every"], p["faults"])
+    assert p["fault_interval_steps"] == 3 * p["ckpt_every"] and p["ckpts_per_fault"] == 3  # as asked
     ours = {"exception": "in_process", "sigkill": "in_job", "hang": "in_job"}
     expected_layers = {
         "resilient": ours,
@@ -151,6 +153,9 @@ def test_soak_schedule_cycles_kinds_and_ranks() -> None:
     (("soak", "--fault-every", "nan"), "--fault-every: must be a number of seconds >= 1"),
     (("soak", "--fault-every", "soon"), "argument --fault-every: invalid float value"),
     (("goodput", "--fault-every", "30"), "--fault-every applies to the soak benchmark only"),
+    (("soak", "--ckpts-per-fault", "0"), "--ckpts-per-fault: must be a whole number >= 1, got 0"),
+    (("soak", "--ckpts-per-fault", "2.5"), "argument --ckpts-per-fault: invalid int value"),
+    (("recovery", "--ckpts-per-fault", "2"), "--ckpts-per-fault applies to the soak benchmark only"),
 ])  # fmt: skip
 def test_bad_fault_every_is_refused(args: tuple[str, ...], message: str, tmp_path: Path) -> None:
     proc = rfsdp("bench", *args, "--work", str(tmp_path / "work"))

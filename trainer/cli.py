@@ -199,17 +199,22 @@ def _pipeline(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from bench.runner import BENCHMARKS, run_benchmarks
-    from bench.soak import check_fault_every
+    from bench.soak import check_ckpts_per_fault, check_fault_every
 
     names = list(BENCHMARKS) if args.which == "all" else [args.which]
-    options = {}
-    if args.fault_every is not None:  # checked before anything runs
-        if "soak" not in names:
-            raise ValueError(f"--fault-every applies to the soak benchmark only, not to {args.which}")
+    soak: dict = {}
+    soak_options = (("--fault-every", "fault_every", check_fault_every), ("--ckpts-per-fault", "ckpts_per_fault", check_ckpts_per_fault))
+    for flag, name, check in soak_options:
+        value = getattr(args, name)
+        if value is None:
+            continue
+        if "soak" not in names:  # checked before anything runs
+            raise ValueError(f"{flag} applies to the soak benchmark only, not to {args.which}")
         try:
-            options["soak"] = {"fault_every": check_fault_every(args.fault_every)}
+            soak[name] = check(value)
         except ValueError as e:
-            raise ValueError(f"--fault-every: {e}") from None
+            raise ValueError(f"{flag}: {e}") from None
+    options = {"soak": soak} if soak else {}
     return run_benchmarks(names, quick=args.quick, json_path=args.json, work=args.work, options=options)
 
 
@@ -331,6 +336,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work", type=Path, help="scratch directory for data, checkpoints and run dirs (default: work/bench)")
     p.add_argument(
         "--fault-every", type=float, metavar="SECONDS", help="soak only: seconds of training between faults (default: 60; --quick: 4)"
+    )
+    p.add_argument(
+        "--ckpts-per-fault",
+        type=int,
+        metavar="N",
+        help="soak only: durable checkpoints between two faults (default: 12; fewer: durable saves as dear as at scale)",
     )
     p.set_defaults(func=_bench)
     return parser
