@@ -6,6 +6,7 @@ stays the uninterrupted one bit for bit, and a completed run leaves nothing in /
 from __future__ import annotations
 
 import datetime
+import io
 import json
 import os
 import shutil
@@ -27,7 +28,7 @@ from trainer.launch.k8s import ClusterOptions, build_pytorchjob, quantity_bytes
 from trainer.launch.local import check_local_replicas, check_local_tier, local_tier_bytes
 from trainer.launch.spec import LaunchSpec
 from trainer.rank.config import MODEL_SIZES, TrainConfig, replica_cliques
-from trainer.rank.resilience import LocalTier
+from trainer.rank.resilience import LocalTier, _pack, _unpack
 
 LOCAL = ("--ckpt-every", "10", "--local-ckpt-every", "1")
 
@@ -99,6 +100,44 @@ def test_the_background_write_keeps_the_state_it_was_handed(one_rank: dist.Proce
     again = tier()
     assert again.find_latest() == (1, "local")
     assert torch.equal(again.load(1)["w"], torch.arange(1 << 22, dtype=torch.float32))
+
+
+def test_a_snapshot_is_packed_into_one_buffer_and_unpacked_exactly() -> None:
+    """Every tensor of the state (any dtype, shape, stride) goes into one reused byte buffer, and
+    comes back through torch.save / torch.load (weights only) equal, in its place in the tree."""
+    live = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    state = {
+        "tensors": {"w": live.t(), "b": torch.tensor([1.5, -2.0], dtype=torch.bfloat16), "step": torch.tensor(7.0), "none": torch.empty(0)},
+        "rank": {"step": 7, "rng": {"torch": torch.get_rng_state()}, "loader": [3, {"epoch": torch.tensor([2], dtype=torch.int64)}]},
+    }
+    buffers: dict = {}
+    packed = _pack(state, buffers)
+    assert [t for t in _tensors(packed)] == [packed["data"]]  # one tensor to save, send and hash
+    saved = io.BytesIO()
+    torch.save(packed, saved)
+    back = _unpack(torch.load(io.BytesIO(saved.getvalue()), weights_only=True))
+    assert back["rank"]["step"] == 7 and back["rank"]["loader"][0] == 3
+    for (path, original), (_, restored) in zip(_leaves(state), _leaves(back), strict=True):
+        assert (original.dtype, original.shape) == (restored.dtype, restored.shape) and torch.equal(original, restored), path
+    torch.set_rng_state(back["rank"]["rng"]["torch"])  # torch takes it (a view into the buffer it would misread)
+
+    data = packed["data"]
+    live.add_(1.0)
+    assert _pack(state, buffers)["data"] is data  # the same layout: the buffer is reused, the values new
+    assert torch.equal(_unpack(_pack(state, buffers))["tensors"]["w"], live.t())
+    assert _pack({"w": torch.zeros(3)}, buffers)["data"] is not data  # another layout: a new buffer
+
+
+def _leaves(tree: object, path: tuple = ()) -> list[tuple[tuple, object]]:
+    if isinstance(tree, dict):
+        return [leaf for k, v in tree.items() for leaf in _leaves(v, (*path, k))]
+    if isinstance(tree, list):
+        return [leaf for i, v in enumerate(tree) for leaf in _leaves(v, (*path, i))]
+    return [(path, tree)] if isinstance(tree, torch.Tensor) else []
+
+
+def _tensors(tree: object) -> list[torch.Tensor]:
+    return [t for _, t in _leaves(tree)]
 
 
 # ------------------------------------------------------------------ peer replicas

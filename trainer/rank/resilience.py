@@ -13,6 +13,7 @@ import datetime
 import hashlib
 import io
 import logging
+import math
 import multiprocessing
 import os
 import pickle
@@ -577,20 +578,63 @@ class _ChecksummedLocalManager(LocalCheckpointManager):
                 path.unlink(missing_ok=True)
 
 
-def _stage(tree: object, buffers: dict, path: tuple = ()) -> object:
-    """``tree`` with every tensor copied into this rank's reused host buffer for its place
-    (``buffers``, made on first use): what the background write reads while training goes on.
+_ALIGN = 64
+"""Byte alignment of each tensor in a packed snapshot (any dtype's view of it is aligned)."""
+
+
+def _pack(tree: object, buffers: dict) -> dict:
+    """``tree`` (nested dicts and lists of tensors and plain values) as one snapshot of three
+    parts: ``skeleton`` (``tree`` with None for each tensor), ``layout`` (each tensor's place,
+    dtype, shape and byte offset) and ``data``, every tensor copied into one byte buffer reused
+    from save to save (``buffers``, made again when the layout changes). One tensor instead of a
+    hundred is what makes a small model's snapshot cheap: ``torch.save`` pays per tensor (a record
+    each), and so does a replica's exchange (a send each).
     """
-    if isinstance(tree, dict):
-        return {k: _stage(v, buffers, (*path, k)) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_stage(v, buffers, (*path, i)) for i, v in enumerate(tree)]
-    if not isinstance(tree, torch.Tensor):
-        return tree  # plain values: built afresh for each snapshot, never changed after
-    buffer = buffers.get(path)
-    if buffer is None or buffer.shape != tree.shape or buffer.dtype != tree.dtype:
-        buffer = buffers[path] = torch.empty_like(tree, device="cpu")
-    return buffer.copy_(tree)
+    tensors: list[torch.Tensor] = []
+    layout: list[tuple] = []
+    offset = 0
+
+    def hollow(node: object, path: tuple) -> object:
+        nonlocal offset
+        if isinstance(node, dict):
+            return {k: hollow(v, (*path, k)) for k, v in node.items()}
+        if isinstance(node, list):
+            return [hollow(v, (*path, i)) for i, v in enumerate(node)]
+        if not isinstance(node, torch.Tensor):
+            return node  # plain values: built afresh for each snapshot, never changed after
+        tensors.append(node)
+        layout.append((path, node.dtype, tuple(node.shape), offset))
+        offset += -(-node.numel() * node.dtype.itemsize // _ALIGN) * _ALIGN  # rounded up
+        return None
+
+    skeleton = hollow(tree, ())
+    if buffers.get("layout") != layout:
+        buffers["layout"], buffers["data"] = layout, torch.empty(offset, dtype=torch.uint8)
+    for tensor, view in zip(tensors, _views(buffers["data"], layout), strict=True):
+        view.copy_(tensor)
+    return {"skeleton": skeleton, "layout": layout, "data": buffers["data"]}
+
+
+def _views(data: torch.Tensor, layout: list[tuple]) -> list[torch.Tensor]:
+    """Each tensor of a packed snapshot, as a view of its bytes in ``data``."""
+    views = []
+    for _, dtype, shape, offset in layout:
+        nbytes = math.prod(shape) * dtype.itemsize
+        views.append(data[offset : offset + nbytes].view(dtype).view(shape))
+    return views
+
+
+def _unpack(snapshot: dict) -> dict:
+    """The tree that :func:`_pack` packed, each tensor a copy of its bytes in the snapshot's
+    ``data`` (not a view: ``torch.set_rng_state`` reads a tensor's storage from its start).
+    """
+    tree = snapshot["skeleton"]
+    for (path, *_), view in zip(snapshot["layout"], _views(snapshot["data"], snapshot["layout"]), strict=True):
+        node = tree
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = view.clone()
+    return tree
 
 
 @dataclass(slots=True)
@@ -613,7 +657,7 @@ class LocalTier:
     the one being written); recovery takes the newest step every rank can load, from its own
     snapshot or else from a peer's replica.
 
-    The training thread copies the state into reused host buffers (and, with replicas, exchanges
+    The training thread copies the state into one reused host buffer (and, with replicas, exchanges
     it within its clique, a collective) and hands it to a background thread, which writes it to
     ``/dev/shm`` (hashed as it is written, the checksum sidecar last). The next save first waits
     for that write and agrees with every rank that all of theirs succeeded (one small collective,
@@ -690,7 +734,7 @@ class LocalTier:
         self.finish()
         started = time.perf_counter()
         ckpt_id = self.manager._ckpt_id(step)
-        snapshots = {ckpt_id: _HostStateDict(_stage(state(), self._buffers))}
+        snapshots = {ckpt_id: _HostStateDict(_pack(state(), self._buffers))}
         collected = time.perf_counter()
         if self.replication is not None:  # every clique member's snapshot of this step, its own included
             states, ids = self.replication.replicate(snapshots[ckpt_id], ckpt_id)
@@ -785,10 +829,10 @@ class LocalTier:
         """
         ckpt_id = self.manager._ckpt_id(step)
         if self.retrieval is None:
-            return self.manager._load_fn(ckpt_id).state_dict
+            return _unpack(self.manager._load_fn(ckpt_id).state_dict)
         plan = self.retrieval.retrieve_plan(self._available, [ckpt_id])  # its own copy where it holds one
         mine = {i: self.manager._load_fn(i) for i in plan.required_ids()}  # what it sends (and keeps)
-        return self.retrieval.retrieve_execute(plan, mine)[ckpt_id].state_dict
+        return _unpack(self.retrieval.retrieve_execute(plan, mine)[ckpt_id].state_dict)
 
     def remove(self) -> None:
         """Remove this rank's snapshots, and the run's folder once no rank has any left (after :meth:`finish`)."""
