@@ -38,6 +38,7 @@ from trainer.events import (
     Step,
     corrupt_lines,
     read_events,
+    select,
 )
 
 pytestmark = pytest.mark.slow  # real multi-process jobs
@@ -178,6 +179,10 @@ def test_a_preempted_rank_stops_every_rank_and_the_run_resumes_exactly(data_dir:
     train(data_dir, run, "--steps", "60", "--fault", "sigterm@20:1")
     events = read_events(run)
     assert [e.resumed_from_step for e in events if isinstance(e, RunStart)] == [0, end.step]
+    for start in select(events, RunStart):  # each start's timeline: from the launcher's start to the resume, in order
+        assert list(start.phases)[0] == "process_started" and list(start.phases)[-1] == "resumed"
+        assert {"imports_done", "process_group", "model_built"} <= set(start.phases)
+        assert start.phases["process_started"] >= 0 and list(start.phases.values()) == sorted(start.phases.values())
     assert not restarts(run) and [e.status for e in events if isinstance(e, RunEnd)] == ["preempted", "completed"]
     assert losses(run) == losses(baseline_60)
 

@@ -60,6 +60,9 @@ class RunStart(Event):
     config: dict[str, Any]
     resumed_from_step: int
     world_size: int
+    phases: dict[str, float] | None = None
+    """Seconds after the launcher started at which each stage of rank 0's start ended (rank 0's
+    clock), in order: the same stages as a recovery's (``restart``), up to ``resumed``."""
 
 
 @dataclass(frozen=True, kw_only=True)

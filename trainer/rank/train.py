@@ -310,7 +310,9 @@ def _train(
     start, source = resume(checkpointer, local, state)
     marks["resumed"] = time.time()
     if rt.rank == 0 and layer is None:  # (layer is only known on rank 0, which writes these events)
-        events.emit(RunStart(config=cfg.to_dict(), resumed_from_step=start, world_size=rt.world_size))
+        launched = marks["launcher_started"]
+        phases = {k: t - launched for k, t in marks.items() if k != "launcher_started"}
+        events.emit(RunStart(config=cfg.to_dict(), resumed_from_step=start, world_size=rt.world_size, phases=phases))
 
     last = cfg.stop_at_step or cfg.steps
     tokens_per_step = cfg.batch_size * cfg.size.seq_len * rt.world_size
@@ -365,8 +367,9 @@ def main(argv: list[str] | None = None, *, startup: dict[str, float] | None = No
     # ft_launcher restarts failed ranks whatever the cause: after a fatal error met since this
     # launcher started, its restarts end at once. (The job id alone is not enough: on Kubernetes it
     # is "none" unless elasticPolicy.rdzvId is set. A new job, once the cause is fixed, starts normally.)
-    startup = dict(startup or {"process_started": process_start_time(), "imports_done": IMPORTED_AT})
     launcher_started = launcher_started or process_start_time(os.getppid())
+    # Before any fault: a recovery's timeline drops it, a start's counts from it.
+    startup = {"launcher_started": launcher_started} | (startup or {"process_started": process_start_time(), "imports_done": IMPORTED_AT})
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     if restarted and (fatal := fatal_error(read_events(Path(cfg.run_dir)), _job_id(), since=launcher_started)):
         print(f"rank {os.environ.get('RANK')}: not restarting, the job met an error no restart can fix: {fatal.error}", file=sys.stderr)
