@@ -54,7 +54,7 @@ def check_ckpts_per_fault(count: int) -> int:
     Raises:
         ValueError: less than 1.
     """
-    if count < 1:
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"must be a whole number >= 1, got {count}")
     return count
 

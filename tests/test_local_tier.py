@@ -119,7 +119,10 @@ def test_a_snapshot_is_packed_into_one_buffer_and_unpacked_exactly() -> None:
     assert back["rank"]["step"] == 7 and back["rank"]["loader"][0] == 3
     for (path, original), (_, restored) in zip(_leaves(state), _leaves(back), strict=True):
         assert (original.dtype, original.shape) == (restored.dtype, restored.shape) and torch.equal(original, restored), path
-    torch.set_rng_state(back["rank"]["rng"]["torch"])  # torch takes it (a view into the buffer it would misread)
+    torch.set_rng_state(back["rank"]["rng"]["torch"])  # the generator resumes where the saved state left it
+    resumed = torch.rand(8)
+    torch.set_rng_state(state["rank"]["rng"]["torch"])
+    assert torch.equal(torch.rand(8), resumed)  # (a view into the buffer would be misread by torch)
 
     data = packed["data"]
     live.add_(1.0)

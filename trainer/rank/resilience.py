@@ -442,7 +442,7 @@ def run_restartable(train_fn: Callable[[Attempt], None], timeouts: Timeouts, *, 
 #   file is kept as this owner's spare and overwritten by the next snapshot: its pages of node
 #   memory are reused, where a new file's are allocated and zeroed by the kernel (a third of a
 #   write's CPU, at every step). And the state is packed first (``_pack``): one byte buffer, one
-#   record for torch.save and one send for a replica, where NVRx's pays per tensor.
+#   record for torch.save and one tensor in a replica's exchange, where NVRx's pays per tensor.
 # - ``BasicTensorAwareStateDict`` asserts that every tensor is on CUDA and moves them back there
 #   on load: ``_HostStateDict`` drops both (the caller copies loaded values into its live tensors).
 # Peer replicas (``--local-replicas``) use NVRx's ``CliqueReplicationStrategy`` as it is (its

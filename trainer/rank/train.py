@@ -254,6 +254,7 @@ def _train(
     attempt: Attempt,
 ) -> None:
     marks = dict(startup)  # a recovery's timeline (the restart event's phases): when each stage ended
+    launched = marks.pop("launcher_started")  # what a start's timeline (run_start's phases) counts from
     if attempt.store_port is not None:  # the wrapper's monitor process, store and barrier: every rank is in this iteration
         marks["wrapper_ready"] = time.time()
     rt = detect_runtime()
@@ -310,8 +311,7 @@ def _train(
     start, source = resume(checkpointer, local, state)
     marks["resumed"] = time.time()
     if rt.rank == 0 and layer is None:  # (layer is only known on rank 0, which writes these events)
-        launched = marks["launcher_started"]
-        phases = {k: t - launched for k, t in marks.items() if k != "launcher_started"}
+        phases = {k: t - launched for k, t in marks.items()}
         events.emit(RunStart(config=cfg.to_dict(), resumed_from_step=start, world_size=rt.world_size, phases=phases))
 
     last = cfg.stop_at_step or cfg.steps
@@ -368,7 +368,6 @@ def main(argv: list[str] | None = None, *, startup: dict[str, float] | None = No
     # launcher started, its restarts end at once. (The job id alone is not enough: on Kubernetes it
     # is "none" unless elasticPolicy.rdzvId is set. A new job, once the cause is fixed, starts normally.)
     launcher_started = launcher_started or process_start_time(os.getppid())
-    # Before any fault: a recovery's timeline drops it, a start's counts from it.
     startup = {"launcher_started": launcher_started} | (startup or {"process_started": process_start_time(), "imports_done": IMPORTED_AT})
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     if restarted and (fatal := fatal_error(read_events(Path(cfg.run_dir)), _job_id(), since=launcher_started)):
