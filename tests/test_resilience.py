@@ -201,6 +201,12 @@ def test_all_four_faults_in_one_run(faulted_run: FaultedRun) -> None:
     assert [r.attempt for r in restarts(faulted_run.run)] == [1, 2, 3, 4]
     (torn,) = corrupt_lines(faulted_run.run)
     assert "corrupt event lines" in faulted_run.stdout and f"1 skipped (line {torn})" in faulted_run.stdout
+    # Nothing of the job outlives it: not a killed rank's checkpoint writer, nor the process that
+    # writer forked for a write in flight (before, one was left stuck on a lock about every other run).
+    deadline = time.monotonic() + 10
+    while leftovers := subprocess.run(["pgrep", "-f", f"--run-dir {faulted_run.run}"], capture_output=True, text=True).stdout.split():
+        assert time.monotonic() < deadline, f"processes left: {leftovers}"
+        time.sleep(0.5)
 
 
 def test_restarts_exhausted_keeps_last_good_checkpoint(data_dir: Path, tmp_path: Path) -> None:

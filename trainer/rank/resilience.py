@@ -101,13 +101,21 @@ def _worker_main(rank_pid: int, *loop_args: object) -> None:
     already), so it never outlives it.
     """
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    die_with_parent(signal.SIGKILL)
-    if os.getppid() != rank_pid:
-        os._exit(0)
+    _die_with(rank_pid)
+    # NVRx forks a process for each write: it ignores SIGTERM as this one does, and would outlive a
+    # worker killed with its rank (found stuck on a lock after a SIGKILL, holding the staged state).
+    os.register_at_fork(after_in_child=partial(_die_with, os.getpid()))
     # Before any thread or process of its own, which inherit it: a write has until the next
     # checkpoint, and where the ranks keep every core busy it should not take their time.
     lower_priority()
     PersistentAsyncCaller.async_loop(*loop_args)
+
+
+def _die_with(parent_pid: int) -> None:
+    """In a child just forked by ``parent_pid``: end with it (at once if it is gone already)."""
+    die_with_parent(signal.SIGKILL)
+    if os.getppid() != parent_pid:
+        os._exit(0)
 
 
 _NEVER_READ_RESULTS_QUEUE = queue.SimpleQueue()
