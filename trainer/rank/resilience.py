@@ -595,9 +595,9 @@ def _pack(tree: object, buffers: dict) -> dict:
     """``tree`` (nested dicts and lists of tensors and plain values) as one snapshot of three
     parts: ``skeleton`` (``tree`` with None for each tensor), ``layout`` (each tensor's place,
     dtype, shape and byte offset) and ``data``, every tensor copied into one byte buffer reused
-    from save to save (``buffers``, made again when the layout changes). One tensor instead of a
-    hundred is what makes a small model's snapshot cheap: ``torch.save`` pays per tensor (a record
-    each), and so does a replica's exchange (a send each).
+    from save to save (``buffers``: it and its views, made again when the layout changes). One
+    tensor instead of a hundred is what makes a small model's snapshot cheap: ``torch.save`` pays
+    per tensor (a record each), and so does a replica's exchange (a send each).
     """
     tensors: list[torch.Tensor] = []
     layout: list[tuple] = []
@@ -617,9 +617,10 @@ def _pack(tree: object, buffers: dict) -> dict:
         return None
 
     skeleton = hollow(tree, ())
-    if buffers.get("layout") != layout:
-        buffers["layout"], buffers["data"] = layout, torch.empty(offset, dtype=torch.uint8)
-    for tensor, view in zip(tensors, _views(buffers["data"], layout), strict=True):
+    if buffers.get("layout") != layout:  # the views are made with the buffer, not at every snapshot
+        data = torch.empty(offset, dtype=torch.uint8)
+        buffers.update(layout=layout, data=data, views=_views(data, layout))
+    for tensor, view in zip(tensors, buffers["views"], strict=True):
         view.copy_(tensor)
     return {"skeleton": skeleton, "layout": layout, "data": buffers["data"]}
 
