@@ -40,6 +40,7 @@ from trainer.events import (
     read_events,
     select,
 )
+from trainer.rank.config import Timeouts
 
 pytestmark = pytest.mark.slow  # real multi-process jobs
 
@@ -145,6 +146,20 @@ def test_a_recurring_soft_fault_is_handed_to_in_job_restart(data_dir: Path, base
     train(data_dir, run, "--steps", "60", "--fault", faults, "--max-inprocess-restarts", "2")
     assert [r.layer for r in restarts(run)] == ["in_process", "in_process", "in_job", "in_process"]
     assert losses(run) == losses(baseline_60)
+
+
+def test_a_step_slower_than_the_hang_timeout_is_not_a_hang(data_dir: Path, tmp_path: Path) -> None:
+    """The base model's steps here outlast the wrapper's soft timeout at the smallest hang timeout
+    (4 s at 5 s); the ranks report progress from within each step, so neither the in-process
+    wrapper nor ft_launcher takes a slow step for a hang (before, the first one restarted the job).
+    """
+    run = tmp_path / "run"
+    base = ("--model", "base", "--batch-size", "2", "--local-ckpt-every", "0")
+    train(data_dir, run, *base, "--steps", "2", "--ckpt-every", "2", "--hang-timeout", "5")
+    events = read_events(run)
+    assert max(e.step_time_s for e in select(events, Step)) > Timeouts(5, inprocess=True).soft  # the case at hand
+    assert restarts(run) == []
+    assert [e.status for e in select(events, RunEnd)] == ["completed"]
 
 
 def test_sigterm_preempts_the_whole_job_gracefully(data_dir: Path, tmp_path: Path) -> None:

@@ -69,6 +69,20 @@ def test_fault_spec_grammar() -> None:
 def test_timeouts_keep_their_order() -> None:
     t = Timeouts(10, inprocess=True)
     assert t.collective < t.soft < t.heartbeat < t.hard < t.barrier < t.initial_heartbeat
+    assert t.wrapper_heartbeat < t.barrier
+
+
+@pytest.mark.parametrize("hang", [5, 7.5, 10, 600])
+def test_the_inprocess_wrapper_accepts_every_allowed_hang_timeout(hang: float) -> None:
+    """NVRx checks its timeouts' order when the wrapper is made, in every rank after launch: the
+    smallest hang timeout ``rfsdp train`` accepts (5 s) once failed there, its wrapper heartbeat
+    timeout (NVRx's default 30 s) equal to the barrier timeout.
+    """
+    from nvidia_resiliency_ext import inprocess
+
+    from trainer.rank.resilience import wrapper_timeouts
+
+    inprocess.Wrapper(**wrapper_timeouts(Timeouts(hang, inprocess=True)))
 
 
 def test_config_round_trips_through_argv() -> None:

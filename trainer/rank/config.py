@@ -294,6 +294,13 @@ class Timeouts:
         return 1.6 * self.hang
 
     @property
+    def wrapper_heartbeat(self) -> float:
+        """The in-process wrapper's heartbeat timeout between ranks' monitor processes (NVRx's
+        default, 30 s, at the default hang timeout); NVRx requires it below the barrier timeout.
+        """
+        return 3 * self.hang
+
+    @property
     def barrier(self) -> float:
         """Store barriers, rendezvous and checkpoint collectives (checksumming is slow)."""
         return 6 * self.hang

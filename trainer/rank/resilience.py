@@ -408,6 +408,17 @@ def make_store(attempt: Attempt, timeout_s: float) -> dist.Store | None:
     )
 
 
+def wrapper_timeouts(timeouts: Timeouts) -> dict[str, datetime.timedelta]:
+    """NVRx ``inprocess.Wrapper``'s timeouts, from the run's one hang timeout."""
+    return {
+        "soft_timeout": datetime.timedelta(seconds=timeouts.soft),
+        "hard_timeout": datetime.timedelta(seconds=timeouts.hard),
+        "heartbeat_timeout": datetime.timedelta(seconds=timeouts.wrapper_heartbeat),
+        "barrier_timeout": datetime.timedelta(seconds=timeouts.barrier),
+        "completion_timeout": datetime.timedelta(seconds=timeouts.barrier),
+    }
+
+
 def run_restartable(train_fn: Callable[[Attempt], None], timeouts: Timeouts, *, cuda: bool, max_restarts: int) -> None:
     """Run ``train_fn`` inside NVRx's ``inprocess.Wrapper``: a Python exception or a stuck rank
     restarts it in the same processes with a fresh store and process group, at most
@@ -422,10 +433,7 @@ def run_restartable(train_fn: Callable[[Attempt], None], timeouts: Timeouts, *, 
         initialize=inprocess.initialize.RetryController(max_iterations=max_restarts + 1, min_world_size=int(os.environ["WORLD_SIZE"])),
         store_kwargs={"port": base, "timeout": datetime.timedelta(seconds=timeouts.barrier)},
         health_check=inprocess.health_check.CudaHealthCheck() if cuda else None,
-        soft_timeout=datetime.timedelta(seconds=timeouts.soft),
-        hard_timeout=datetime.timedelta(seconds=timeouts.hard),
-        barrier_timeout=datetime.timedelta(seconds=timeouts.barrier),
-        completion_timeout=datetime.timedelta(seconds=timeouts.barrier),
+        **wrapper_timeouts(timeouts),
     )
 
     def wrapped(call_wrapper: inprocess.CallWrapper | None = None) -> None:

@@ -15,8 +15,10 @@ import datetime
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -76,6 +78,35 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
     cosine = 0.5 * (1 + torch.cos(torch.tensor(progress * torch.pi)).item())
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+
+
+PROGRESS_EVERY_S = 1.0
+"""Least seconds between two reports of progress from within a step."""
+
+
+def report_progress_within_steps(model: torch.nn.Module, alive: Callable[[], None]) -> None:
+    """Call ``alive`` (the hang detectors' "this rank makes progress") from within each step too:
+    as each block's forward ends and as its gradient arrives in backward, at most once per
+    :data:`PROGRESS_EVERY_S`. A step slower than the hang timeout (a large model on CPU, a first
+    step's one-time costs) is then not taken for a hang, while a rank stuck in a collective or
+    anywhere outside the model still is: the reports stop with it.
+    """
+    last = time.monotonic()
+
+    def report() -> None:
+        nonlocal last
+        # The detectors' clients are not thread-safe: on CUDA, backward runs in autograd's device thread.
+        if threading.current_thread() is threading.main_thread() and time.monotonic() - last >= PROGRESS_EVERY_S:
+            last = time.monotonic()
+            alive()
+
+    def after_forward(block: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+        report()
+        if output.requires_grad:
+            output.register_hook(lambda grad: report())  # returns None: the gradient is unchanged
+
+    for block in model.blocks:
+        block.register_forward_hook(after_forward)
 
 
 class TrainState:
@@ -300,6 +331,8 @@ def _train(
     def alive() -> None:
         monitor.heartbeat()
         attempt.ping()
+
+    report_progress_within_steps(model, alive)
 
     checkpointer = Checkpointer(
         run_dir, writer=writer, group=ckpt_group, save_group=save_group, events=events, every=cfg.ckpt_every,
