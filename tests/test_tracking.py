@@ -113,7 +113,9 @@ def test_faulty_run_logged_to_real_server(faulty_run: Path, mlflow_server: Mlflo
     loss = client.get_metric_history(run_id, "loss")  # every step line, at its real time
     assert sorted((x.step, x.timestamp) for x in loss) == sorted((e.step, int(e.time * 1000)) for e in steps)
     redone = [e for i, e in enumerate(steps) if e.step <= max((s.step for s in steps[:i]), default=0)]
-    assert redone  # the faulty run redid steps after its recoveries: each one is marked
+    # Each step a recovery lost is logged again, and marked. (With the local tier a recovery may
+    # lose none: the SIGKILL's loses one when the write of the step before it is still in flight.)
+    assert len(redone) == sum(e.lost_steps for e in restarts)
     marked = client.get_metric_history(run_id, "redone_step")
     assert sorted((x.step, x.timestamp) for x in marked) == sorted((e.step, int(e.time * 1000)) for e in redone)
     assert m["final_loss"] == [e for e in steps if e.step == 30][-1].loss

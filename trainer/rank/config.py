@@ -264,10 +264,10 @@ class Timeouts:
     """Every resilience timeout, derived from one knob so that their order always holds.
 
     collective (in-process only) < in-process recovery < wrapper soft < heartbeat < wrapper hard
-    < barrier. A rank blocked in a gloo collective can only be interrupted by gloo's own timeout,
-    so with in-process restart the collective timeout must sit below the wrapper's soft timeout;
-    the rank monitor counts in-process recovery as missing heartbeats, so the heartbeat timeout
-    must exceed it.
+    < barrier, and wrapper heartbeat < barrier (NVRx's rule). A rank blocked in a gloo collective
+    can only be interrupted by gloo's own timeout, so with in-process restart the collective
+    timeout must sit below the wrapper's soft timeout; the rank monitor counts in-process recovery
+    as missing heartbeats, so the heartbeat timeout must exceed it.
     """
 
     hang: float
@@ -295,10 +295,10 @@ class Timeouts:
 
     @property
     def wrapper_heartbeat(self) -> float:
-        """The in-process wrapper's heartbeat timeout between ranks' monitor processes (NVRx's
-        default, 30 s, at the default hang timeout); NVRx requires it below the barrier timeout.
+        """The in-process wrapper's heartbeat timeout between ranks' monitor processes: NVRx's
+        default (30 s), or less where NVRx's rule that it stays below the barrier timeout needs it.
         """
-        return 3 * self.hang
+        return min(30.0, 3 * self.hang)
 
     @property
     def barrier(self) -> float:
