@@ -151,7 +151,7 @@ def test_a_recurring_soft_fault_is_handed_to_in_job_restart(data_dir: Path, base
 def test_a_step_slower_than_the_hang_timeout_is_not_a_hang(data_dir: Path, tmp_path: Path) -> None:
     """The base model's steps here outlast the wrapper's soft timeout at the smallest hang timeout
     (4 s at 5 s); the ranks report progress from within each step, so neither the in-process
-    wrapper nor ft_launcher takes a slow step for a hang (before, the first one restarted the job).
+    wrapper nor ft_launcher takes a slow step for a hang (before, the second one restarted the job).
     """
     run = tmp_path / "run"
     base = ("--model", "base", "--batch-size", "2", "--local-ckpt-every", "0")

@@ -87,15 +87,15 @@ PROGRESS_EVERY_S = 1.0
 def report_progress_within_steps(model: torch.nn.Module, alive: Callable[[], None]) -> None:
     """Call ``alive`` (the hang detectors' "this rank makes progress") from within each step too:
     as each block's forward ends and as its gradient arrives in backward, at most once per
-    :data:`PROGRESS_EVERY_S`. A step slower than the hang timeout (a large model on CPU, a first
-    step's one-time costs) is then not taken for a hang, while a rank stuck in a collective or
-    anywhere outside the model still is: the reports stop with it.
+    :data:`PROGRESS_EVERY_S`. A step slower than the hang timeout (a large model on CPU) is then
+    not taken for a hang, while a rank stuck in a collective or anywhere outside the model still
+    is: the reports stop with it.
     """
     last = time.monotonic()
 
     def report() -> None:
         nonlocal last
-        # The detectors' clients are not thread-safe: on CUDA, backward runs in autograd's device thread.
+        # ft_launcher's client sends and reads its reply on one socket: not from autograd's device thread (CUDA).
         if threading.current_thread() is threading.main_thread() and time.monotonic() - last >= PROGRESS_EVERY_S:
             last = time.monotonic()
             alive()
