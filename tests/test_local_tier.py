@@ -16,11 +16,13 @@ import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests.conftest import ROOT, losses, rfsdp, tier_of, train
+from trainer.data.shards import TokenLoader
 from trainer.errors import ParameterError
 from trainer.events import Checkpoint, EventLog, Restart, RunWarning, read_events, select, summarize
 from trainer.launch import WORKSPACE_MOUNT
@@ -28,7 +30,9 @@ from trainer.launch.k8s import ClusterOptions, build_pytorchjob, quantity_bytes
 from trainer.launch.local import check_local_replicas, check_local_tier, local_tier_bytes
 from trainer.launch.spec import LaunchSpec
 from trainer.rank.config import MODEL_SIZES, TrainConfig, replica_cliques
-from trainer.rank.resilience import LocalTier, _pack, _unpack
+from trainer.rank.resilience import LocalTier, RankMonitor, _pack, _unpack
+from trainer.rank.runtime import Runtime, build_fsdp_model
+from trainer.rank.train import TrainState, _local_shards, train_step
 
 LOCAL = ("--ckpt-every", "10", "--local-ckpt-every", "1")
 
@@ -129,6 +133,36 @@ def test_a_snapshot_is_packed_into_one_buffer_and_unpacked_exactly() -> None:
     assert _pack(state, buffers)["data"] is data  # the same layout: the buffer is reused, the values new
     assert torch.equal(_unpack(_pack(state, buffers))["tensors"]["w"], live.t())
     assert _pack({"w": torch.zeros(3)}, buffers)["data"] is not data  # another layout: a new buffer
+
+
+def test_the_snapshot_maps_the_live_state_once_and_follows_it(one_rank: dist.ProcessGroup) -> None:
+    """The local snapshot reuses its mapping of the live tensors from step to step: at every step,
+    and after a restore gave the optimizer new tensors, it holds what DCP's ``get_state_dict``
+    maps to then, learning rate included."""
+    size = MODEL_SIZES["tiny"]
+    model = build_fsdp_model(size, Runtime(torch.device("cpu"), "gloo", rank=0, local_rank=0, world_size=1), seed=0)
+    optimizer = torch.optim.AdamW(model.parameters())
+    loader = TokenLoader(np.arange(5000, dtype=np.uint16) % size.vocab_size, size.seq_len, 2, rank=0, world_size=1)
+    state = TrainState(model, optimizer, loader, RankMonitor(), one_rank)
+
+    def mapped_now(step: int) -> dict:
+        tensors, rank_state = state.snapshot(step)
+        return {"tensors": _local_shards(tensors), "rank": rank_state}
+
+    def same(a: dict, b: dict) -> bool:
+        structure = [(packed["skeleton"], packed["layout"]) for packed in (_pack(a, {}), _pack(b, {}))]  # values, names, dtypes, shapes
+        return structure[0] == structure[1] and all(torch.equal(x, y) for x, y in zip(_tensors(a), _tensors(b), strict=True))
+
+    assert same(state.local_snapshot(0), mapped_now(0))  # no optimizer state yet
+    for step in (1, 2, 3):
+        train_step(state, lr=1e-3 * step, grad_clip=1.0, device=torch.device("cpu"))
+        assert same(state.local_snapshot(step), mapped_now(step))
+    saved = _unpack(_pack(state.local_snapshot(3), {}))  # a copy, as the tier keeps it
+    train_step(state, lr=4e-3, grad_clip=1.0, device=torch.device("cpu"))
+    state.restore(saved)
+    assert same(state.local_snapshot(3), saved) and same(saved, mapped_now(3))
+    train_step(state, lr=4e-3, grad_clip=1.0, device=torch.device("cpu"))
+    assert same(state.local_snapshot(4), mapped_now(4))
 
 
 def _leaves(tree: object, path: tuple = ()) -> list[tuple[tuple, object]]:

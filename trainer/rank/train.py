@@ -116,30 +116,50 @@ class TrainState:
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: TokenLoader, monitor: RankMonitor, group: dist.ProcessGroup
     ) -> None:
         self.model, self.optimizer, self.loader, self.monitor, self.group = model, optimizer, loader, monitor, group
+        self._live_shards: dict | None = None
+        """The local tier's tensor state: :meth:`snapshot`'s tree of the live tensors, each DTensor
+        as this rank's shard; mapped once, mapped again after a restore (which may make new tensors)."""
 
     def snapshot(self, step: int) -> tuple[dict, dict]:
         """(tensor state for DCP, this rank's small state)."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        rank_state = {"step": step, "loader": self.loader.state_dict(), "rng": rng_state(), "rank_monitor": self.monitor.state_dict()}
-        return {"model": model_sd, "optim": optim_sd}, rank_state
+        return {"model": model_sd, "optim": optim_sd}, self.snapshot_rank_state(step)
+
+    def snapshot_rank_state(self, step: int) -> dict:
+        """This rank's small state: step, loader position, RNG, rank monitor."""
+        return {"step": step, "loader": self.loader.state_dict(), "rng": rng_state(), "rank_monitor": self.monitor.state_dict()}
 
     def load(self, path: Path) -> None:
         """Restore everything from a published checkpoint directory."""
         load_tensors(self.model, self.optimizer, path, self.group)
+        self._live_shards = None
         self._load_rank_state(torch.load(path / rank_state_file(dist.get_rank()), weights_only=True))
 
     def local_snapshot(self, step: int) -> dict:
         """What :meth:`snapshot` holds, with this rank's shards as plain local tensors (the
         local tier's snapshot: it is only ever loaded back by the same rank of the same world).
+        The tensors are the live ones, which the tier copies at once. Training updates them in
+        place, so DCP maps the model and optimizer to them once (a fixed cost per call, most of a
+        small model's snapshot), when the optimizer holds its state; only the optimizer's
+        hyperparameters (the learning rate changes every step) are read again.
         """
-        tensors, rank_state = self.snapshot(step)
-        return {"tensors": _local_shards(tensors), "rank": rank_state}
+        if self._live_shards is None:
+            tensors, rank_state = self.snapshot(step)
+            if len(self.optimizer.state) < sum(len(g["params"]) for g in self.optimizer.param_groups):
+                return {"tensors": _local_shards(tensors), "rank": rank_state}  # before the first step: AdamW's state is made then
+            self._live_shards = _local_shards(tensors)
+        else:
+            rank_state = self.snapshot_rank_state(step)
+            for saved, live in zip(self._live_shards["optim"]["param_groups"], self.optimizer.param_groups, strict=True):
+                saved.update((k, v) for k, v in live.items() if k != "params")  # "params": the names DCP mapped them to
+        return {"tensors": self._live_shards, "rank": rank_state}
 
     def restore(self, snapshot: dict) -> None:
         """Restore everything from what :meth:`local_snapshot` returned."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)  # the live shards, to copy into
         template = _copy_shards_into({"model": model_sd, "optim": optim_sd}, snapshot["tensors"])
         set_state_dict(self.model, self.optimizer, model_state_dict=template["model"], optim_state_dict=template["optim"])
+        self._live_shards = None  # loading may give the optimizer new tensors
         self._load_rank_state(snapshot["rank"])
 
     def _load_rank_state(self, rank_state: dict) -> None:
