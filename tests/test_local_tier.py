@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import io
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -129,6 +130,10 @@ def test_a_snapshot_is_packed_into_one_buffer_and_unpacked_exactly() -> None:
     assert torch.equal(torch.rand(8), resumed)  # (a view into the buffer would be misread by torch)
 
     data = packed["data"]
+    starts = [offset for *_, offset in packed["layout"]] + [data.numel()]
+    ends = [offset + math.prod(shape) * dtype.itemsize for _, dtype, shape, offset in packed["layout"]]
+    gaps = [data[end:start] for end, start in zip(ends, starts[1:], strict=True)]
+    assert not any(gap.any() for gap in gaps)  # zeros between tensors: the same state, the same bytes
     live.add_(1.0)
     assert _pack(state, buffers)["data"] is data  # the same layout: the buffer is reused, the values new
     assert torch.equal(_unpack(_pack(state, buffers))["tensors"]["w"], live.t())

@@ -626,7 +626,7 @@ def _pack(tree: object, buffers: dict) -> dict:
 
     skeleton = hollow(tree, ())
     if buffers.get("layout") != layout:  # the views are made with the buffer, not at every snapshot
-        data = torch.empty(offset, dtype=torch.uint8)
+        data = torch.zeros(offset, dtype=torch.uint8)  # the alignment gaps too: a snapshot's bytes are its state's alone
         buffers.update(layout=layout, data=data, views=_views(data, layout))
     for tensor, view in zip(tensors, buffers["views"], strict=True):
         view.copy_(tensor)
