@@ -142,7 +142,7 @@ def test_a_snapshot_is_packed_into_one_buffer_and_unpacked_exactly() -> None:
 
 def test_the_snapshot_maps_the_live_state_once_and_follows_it(one_rank: dist.ProcessGroup) -> None:
     """The local snapshot reuses its mapping of the live tensors from step to step: at every step,
-    and after a restore gave the optimizer new tensors, it holds what DCP's ``get_state_dict``
+    and after a restore, it holds what DCP's ``get_state_dict``
     maps to then, learning rate included."""
     size = MODEL_SIZES["tiny"]
     model = build_fsdp_model(size, Runtime(torch.device("cpu"), "gloo", rank=0, local_rank=0, world_size=1), seed=0)
@@ -158,7 +158,7 @@ def test_the_snapshot_maps_the_live_state_once_and_follows_it(one_rank: dist.Pro
         structure = [(packed["skeleton"], packed["layout"]) for packed in (_pack(a, {}), _pack(b, {}))]  # values, names, dtypes, shapes
         return structure[0] == structure[1] and all(torch.equal(x, y) for x, y in zip(_tensors(a), _tensors(b), strict=True))
 
-    assert same(state.local_snapshot(0), mapped_now(0))  # no optimizer state yet
+    assert same(state.local_snapshot(0), mapped_now(0))  # before the first step (DCP makes the optimizer's state)
     for step in (1, 2, 3):
         train_step(state, lr=1e-3 * step, grad_clip=1.0, device=torch.device("cpu"))
         assert same(state.local_snapshot(step), mapped_now(step))

@@ -618,7 +618,7 @@ def _pack(tree: object, buffers: dict) -> dict:
         if isinstance(node, list):
             return [hollow(v, (*path, i)) for i, v in enumerate(node)]
         if not isinstance(node, torch.Tensor):
-            return node  # plain values: built afresh for each snapshot, never changed after
+            return node  # plain values: immutable leaves (the dicts and lists around them are made here)
         tensors.append(node)
         layout.append((path, node.dtype, tuple(node.shape), offset))
         offset += -(-node.numel() * node.dtype.itemsize // _ALIGN) * _ALIGN  # rounded up

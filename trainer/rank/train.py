@@ -140,13 +140,11 @@ class TrainState:
         local tier's snapshot: it is only ever loaded back by the same rank of the same world).
         The tensors are the live ones, which the tier copies at once. Training updates them in
         place, so DCP maps the model and optimizer to them once (a fixed cost per call, most of a
-        small model's snapshot), when the optimizer holds its state; only the optimizer's
-        hyperparameters (the learning rate changes every step) are read again.
+        small model's snapshot); only the optimizer's hyperparameters (the learning rate changes
+        every step) are read again.
         """
         if self._live_shards is None:
-            tensors, rank_state = self.snapshot(step)
-            if len(self.optimizer.state) < sum(len(g["params"]) for g in self.optimizer.param_groups):
-                return {"tensors": _local_shards(tensors), "rank": rank_state}  # before the first step: AdamW's state is made then
+            tensors, rank_state = self.snapshot(step)  # (DCP makes the optimizer's state if it has none yet)
             self._live_shards = _local_shards(tensors)
         else:
             rank_state = self.snapshot_rank_state(step)
