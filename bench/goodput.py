@@ -8,10 +8,12 @@
   (``--local-ckpt-every 1``); the other two have it off, whatever the default
 
 Goodput = the time of the steps that survive into the final trajectory (each step's last
-``step_time_s``) / the job's wall time. ETTR (effective training time ratio) = the wall time in
-which the job made progress it kept (between consecutive completions of surviving steps, so the
-loop's own bookkeeping and checkpoint stalls count; start-up, recovery and redone steps do not)
-/ the job's wall time. Both runs must complete every step. :func:`compare` is shared with
+``step_time_s``) / the job's wall time; a method whose steps are slower gains goodput by it, so
+the wall times of the same steps and faults are compared beside it (``wall_ratio``). ETTR
+(effective training time ratio) = the wall time in which the job made progress it kept (between
+consecutive completions of surviving steps, so the loop's own bookkeeping and checkpoint stalls
+count; start-up, recovery and redone steps do not) / the job's wall time. Both runs must
+complete every step. :func:`compare` is shared with
 ``bench.soak``, which runs the same comparison under a longer, calibrated schedule.
 """
 
@@ -151,6 +153,7 @@ def compare(params: dict, work: Path, data: Path, methods: tuple[str, ...] = MET
     out = {m: {**{k: median([r[k] for r in rs]) for k in figures}, "runs": rs} for m, rs in runs.items()}
     for m in out.values():
         m["ratio"] = ratio(m["goodput"], out["baseline"]["goodput"])
+        m["wall_ratio"] = ratio(out["baseline"]["wall_s"], m["wall_s"])  # the same steps and faults: how much sooner it finished
     return out
 
 
@@ -172,6 +175,22 @@ def show(result: dict) -> None:
     title = f"goodput: {p['model']} model, {p['steps']} steps, checkpoint every {p['ckpt_every']}, faults {p['fault']}"
     show_methods(title, result["methods"])
     print_targets(result["targets"])
+    print_wall_ratios(result["methods"])
+
+
+def print_wall_ratios(methods: dict[str, dict], *, against: str = "baseline") -> None:
+    """Each method's wall time against ``against``'s for the same steps and faults, beside the
+    goodput ratios: goodput counts each kept step's own time, so a method whose steps are slower
+    (a background write beside them) gains goodput by it; the wall time is what a user waits.
+    """
+    ref = methods[against]
+    for name, m in methods.items():
+        if name != against:
+            print(
+                f"  same steps and faults: {name} finished in {fmt(m['wall_s'], ' s', 1)} against {against}'s "
+                f"{fmt(ref['wall_s'], ' s', 1)}: {fmt(ratio(ref['wall_s'], m['wall_s']), 'x', 3)} sooner "
+                f"(its kept steps took {fmt(m['kept_step_s'], ' s', 1)}, {against}'s {fmt(ref['kept_step_s'], ' s', 1)})"
+            )
 
 
 def show_methods(title: str, methods: dict[str, dict]) -> None:

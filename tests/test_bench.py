@@ -34,8 +34,11 @@ EXPECTED = {
         },
         "keys": {"steps_per_s", "ratio", "samples", "base", "vs_base", "models"},
     },
-    "goodput": {"methods": {"resilient", "baseline"}, "keys": {"goodput", "ratio", "wall_s", "useful_s", "runs"}},
-    "soak": {"methods": {"resilient", "resilient_local", "baseline"}, "keys": {"goodput", "ettr", "ratio", "wall_s", "lost_steps", "runs"}},
+    "goodput": {"methods": {"resilient", "baseline"}, "keys": {"goodput", "ratio", "wall_ratio", "wall_s", "useful_s", "runs"}},
+    "soak": {
+        "methods": {"resilient", "resilient_local", "baseline"},
+        "keys": {"goodput", "ettr", "ratio", "wall_ratio", "wall_s", "lost_steps", "runs"},
+    },
 }
 
 
@@ -137,6 +140,8 @@ def _check_soak(bench: dict) -> None:
         "soak goodput resilient / baseline", "soak goodput resilient", "soak goodput resilient_local / resilient",
     ]  # fmt: skip
     assert bench["methods"]["resilient_local"]["vs_single_tier"] > 0
+    two_tier, ours = bench["methods"]["resilient_local"], bench["methods"]["resilient"]
+    assert math.isclose(two_tier["wall_vs_single_tier"], ours["wall_s"] / two_tier["wall_s"])  # the same steps: the sooner, the better
     assert bench["methods"]["resilient_local"]["ceiling_vs_single_tier"] >= 1  # the single tier's redone steps, removed
 
 
