@@ -13,8 +13,8 @@ the wall times of the same steps and faults are compared beside it (``wall_ratio
 (effective training time ratio) = the wall time in which the job made progress it kept (between
 consecutive completions of surviving steps, so the loop's own bookkeeping and checkpoint stalls
 count; start-up, recovery and redone steps do not) / the job's wall time. Both runs must
-complete every step. :func:`compare` is shared with
-``bench.soak``, which runs the same comparison under a longer, calibrated schedule.
+complete every step. :func:`compare` is shared with ``bench.soak``, which runs the same
+comparison under a longer, calibrated schedule.
 """
 
 from __future__ import annotations

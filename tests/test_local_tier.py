@@ -142,8 +142,7 @@ def test_a_snapshot_is_packed_into_one_buffer_and_unpacked_exactly() -> None:
 
 def test_the_snapshot_maps_the_live_state_once_and_follows_it(one_rank: dist.ProcessGroup) -> None:
     """The local snapshot reuses its mapping of the live tensors from step to step: at every step,
-    and after a restore, it holds what DCP's ``get_state_dict``
-    maps to then, learning rate included."""
+    and after a restore, it holds what DCP's ``get_state_dict`` maps to then, learning rate included."""
     size = MODEL_SIZES["tiny"]
     model = build_fsdp_model(size, Runtime(torch.device("cpu"), "gloo", rank=0, local_rank=0, world_size=1), seed=0)
     optimizer = torch.optim.AdamW(model.parameters())
