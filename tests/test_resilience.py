@@ -9,6 +9,7 @@ durable, the expectation is read from the run's own events.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -148,14 +149,29 @@ def test_a_recurring_soft_fault_is_handed_to_in_job_restart(data_dir: Path, base
     assert losses(run) == losses(baseline_60)
 
 
+@contextlib.contextmanager
+def busy_loops(count: int) -> Iterator[None]:
+    """``count`` busy-looping processes while the block runs: a loaded machine."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
 def test_a_step_slower_than_the_hang_timeout_is_not_a_hang(data_dir: Path, tmp_path: Path) -> None:
     """The base model's steps here outlast the wrapper's soft timeout at the smallest hang timeout
-    (4 s at 5 s); the ranks report progress from within each step, so neither the in-process
-    wrapper nor ft_launcher takes a slow step for a hang (before, the second one restarted the job).
+    (4 s at 5 s), beside a busy loop on every core; the ranks report progress from within each
+    step and while the writer makes its buffers (seconds, after step 1), so neither the in-process
+    wrapper nor ft_launcher takes slow work for a hang (before, the second one restarted the job,
+    and on a loaded machine the first one restarted at the buffers).
     """
     run = tmp_path / "run"
     base = ("--model", "base", "--batch-size", "2", "--local-ckpt-every", "0")
-    train(data_dir, run, *base, "--steps", "2", "--ckpt-every", "2", "--hang-timeout", "5")
+    with busy_loops(os.cpu_count() or 1):
+        train(data_dir, run, *base, "--steps", "2", "--ckpt-every", "2", "--hang-timeout", "5")
     events = read_events(run)
     # The case at hand: a watched step slower than the soft timeout. (The first step is not
     # watched: the wrapper's watchdog starts at the first report after it.)
@@ -299,11 +315,8 @@ REPEAT = int(os.environ.get("RFSDP_STRESS_REPEAT", "2"))  # one quiet run, one b
 def cpu_hogs(repeat: int) -> Iterator[int]:
     """Every second repetition: one busy-looping process per core while the test runs."""
     count = (os.cpu_count() or 1) if repeat % 2 else 0
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
-    yield count
-    for hog in hogs:
-        hog.kill()
-        hog.wait()
+    with busy_loops(count):
+        yield count
 
 
 @pytest.mark.stress

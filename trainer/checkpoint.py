@@ -112,6 +112,9 @@ class SaveHooks:
     """Called as the save reaches each of ``SAVE_PHASES`` (fault injection fires here)."""
     atomic: Callable[[], AbstractContextManager] = nullcontext
     """A section that in-process restart must not interrupt (sending a write to a worker)."""
+    alive: Callable[[], None] = lambda: None
+    """Called through work that may take seconds (buffers made), so that hang detection does not
+    take it for a hang."""
 
 
 class CheckpointWriter(Protocol):
@@ -124,10 +127,11 @@ class CheckpointWriter(Protocol):
         training loop may continue. Call it only after :meth:`poll` returned True.
         """
 
-    def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup) -> None:
+    def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, alive: Callable[[], None]) -> None:
         """Collective: do now, once the state is complete, what the first :meth:`start` on
         ``group`` would otherwise pay (buffers, plans), so that it stalls no longer than the
         saves after it; ``directory`` is scratch space, removed afterwards. May do nothing.
+        Calls ``alive`` as :attr:`SaveHooks.alive`.
         """
 
     def poll(self, group: dist.ProcessGroup) -> bool:
@@ -151,7 +155,7 @@ class SyncDcpWriter:
         dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(directory, sync_files=True), process_group=group)
         write_rank_checksums(directory, dist.get_rank())
 
-    def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup) -> None:
+    def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, alive: Callable[[], None]) -> None:
         """Nothing: a synchronous save plans and writes in the loop every time alike."""
 
     def poll(self, group: dist.ProcessGroup) -> bool:
@@ -212,7 +216,8 @@ class Checkpointer:
             group: resume and set-up collectives (rank 0 verifies checksums meanwhile: slow).
             save_group: the collectives of saves inside the training loop (default ``group``); its
                 timeout bounds how long a rank waits there for a peer that has faulted.
-            heartbeat: called while waiting for a write, so the wait is not taken for a hang.
+            heartbeat: called while waiting for a write and while the writer makes its buffers
+                (``SaveHooks.alive``), so neither is taken for a hang.
             on_published: receives each published checkpoint directory (rank 0).
             on_phase: called with ``(step, phase)`` as a save reaches each of ``SAVE_PHASES``.
             atomic: see ``SaveHooks.atomic``.
@@ -310,7 +315,7 @@ class Checkpointer:
         """
         t0 = time.perf_counter()
         scratch = self.root / f"{PREPARE_DIR}{self.generation}"
-        self.writer.prepare(state()[0], scratch, self.save_group)  # collective: every rank is done with it after
+        self.writer.prepare(state()[0], scratch, self.save_group, self.heartbeat)  # collective: every rank is done with it after
         if self.rank == 0:
             shutil.rmtree(scratch, ignore_errors=True)
         self.prepare_s, self._warm = time.perf_counter() - t0, True
@@ -343,7 +348,7 @@ class Checkpointer:
             if self.on_phase is not None:
                 self.on_phase(step, phase)
 
-        self.writer.start(tensors, pending.tmp_dir, self.save_group, SaveHooks(on_phase=on_phase, atomic=self.atomic))
+        self.writer.start(tensors, pending.tmp_dir, self.save_group, SaveHooks(on_phase=on_phase, atomic=self.atomic, alive=self.heartbeat))
         pending.mark("handoff" if self.writer.mode == "async" else "write")
         pending.blocking_s = pending.marks[-1][1] - pending.marks[0][1]
         self.pending = pending

@@ -146,6 +146,20 @@ def _drain(q: object) -> None:
             q.get_nowait()
 
 
+def _shared_buffers_like(tree: object, alive: Callable[[], None]) -> object:
+    """Shared-memory buffers shaped like the state ``tree`` (as ``_create_cpu_state_dict`` makes
+    them), one tensor at a time with ``alive`` after each: a large state's pages take seconds to
+    make (2 s for the base model's on 2 CPUs), which must not pass for a hang.
+    """
+    if isinstance(tree, dict):
+        return {key: _shared_buffers_like(value, alive) for key, value in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_shared_buffers_like(value, alive) for value in tree)
+    buffer = _create_cpu_state_dict({"": tree}, share_memory=True)[""]
+    alive()
+    return buffer
+
+
 @dataclass(slots=True)
 class _StartedWrite:
     directory: Path
@@ -209,9 +223,7 @@ class AsyncCheckpointWriter:
         """
         current = self._incarnation(group)
         if not self.cuda:
-            if current.staging is None:
-                current.staging = _create_cpu_state_dict(state_dict, share_memory=True)
-            state_dict = _copy_state_dict(state_dict, current.staging)
+            state_dict = _copy_state_dict(state_dict, self._staging(current, state_dict, hooks.alive))
         hooks.on_phase("stage")
         fs_writer = FileSystemWriterAsync(directory, thread_count=1)
         _, metadata, dist_wrapper = save_state_dict_async_plan(
@@ -227,7 +239,7 @@ class AsyncCheckpointWriter:
             current.started = _StartedWrite(Path(directory), fs_writer, metadata, dist_wrapper, hooks)
         hooks.on_phase("write")
 
-    def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup) -> None:
+    def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, alive: Callable[[], None]) -> None:
         """Start the worker unless it runs; allocate this incarnation's staging buffers and plan
         twice, writing nothing: NVRx's plan cache is used from the second equal plan on, so the
         first save then skips the planning collective like every later one (without this, the
@@ -236,9 +248,7 @@ class AsyncCheckpointWriter:
         self._ensure_worker()
         current = self._incarnation(group)
         if not self.cuda:
-            if current.staging is None:
-                current.staging = _create_cpu_state_dict(state_dict, share_memory=True)
-            state_dict = current.staging  # what start() plans: the same structure, never the live tensors
+            state_dict = self._staging(current, state_dict, alive)  # what start() plans: the same structure, never the live tensors
         for _ in range(2):  # plans name files relative to the directory: the same for every save
             plan_only = FileSystemWriterAsync(directory, thread_count=1)  # its directory is made, never written
             save_state_dict_async_plan(state_dict, plan_only, process_group=group, enable_cache=True, metadata_cache=current.plans)
@@ -268,6 +278,13 @@ class AsyncCheckpointWriter:
             _drain(caller.comp_q)
             caller.process.join(0.1)
         caller.process = None  # so NVRx's own close() (from __del__) has nothing left to join
+
+    @staticmethod
+    def _staging(current: _Incarnation, state_dict: dict, alive: Callable[[], None]) -> dict:
+        """The incarnation's shared-memory buffers shaped like ``state_dict``, made on first use."""
+        if current.staging is None:
+            current.staging = _shared_buffers_like(state_dict, alive)
+        return current.staging
 
     def _incarnation(self, group: dist.ProcessGroup) -> _Incarnation:
         if self._current is None or self._current.group is not group:

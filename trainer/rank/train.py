@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import math
 import os
 import signal
 import sys
@@ -81,23 +82,34 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 
 PROGRESS_EVERY_S = 1.0
-"""Least seconds between two reports of progress from within a step."""
+"""Least seconds between two reports of progress from within a step or a save."""
+
+
+def at_most_every(seconds: float, report: Callable[[], None]) -> Callable[[], None]:
+    """``report``, skipped when called again within ``seconds`` of its last run: progress
+    reported from within work (each block, each buffer) costs one socket round trip a second.
+    """
+    last = -math.inf
+
+    def throttled() -> None:
+        nonlocal last
+        if time.monotonic() - last >= seconds:
+            last = time.monotonic()
+            report()
+
+    return throttled
 
 
 def report_progress_within_steps(model: torch.nn.Module, alive: Callable[[], None]) -> None:
-    """Call ``alive`` (the hang detectors' "this rank makes progress") from within each step too:
-    as each block's forward ends and as its gradient arrives in backward, at most once per
-    :data:`PROGRESS_EVERY_S`. A step slower than the hang timeout (a large model on CPU) is then
-    not taken for a hang, while a rank stuck in a collective or anywhere outside the model still
-    is: the reports stop with it.
+    """Call ``alive`` (the hang detectors' "this rank makes progress", throttled) from within each
+    step too: as each block's forward ends and as its gradient arrives in backward. A step slower
+    than the hang timeout (a large model on CPU) is then not taken for a hang, while a rank stuck
+    in a collective or anywhere outside the model still is: the reports stop with it.
     """
-    last = time.monotonic()
 
     def report() -> None:
-        nonlocal last
         # ft_launcher's client sends and reads its reply on one socket: not from autograd's device thread (CUDA).
-        if threading.current_thread() is threading.main_thread() and time.monotonic() - last >= PROGRESS_EVERY_S:
-            last = time.monotonic()
+        if threading.current_thread() is threading.main_thread():
             alive()
 
     def after_forward(block: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
@@ -350,11 +362,12 @@ def _train(
         monitor.heartbeat()
         attempt.ping()
 
-    report_progress_within_steps(model, alive)
+    alive_within_work = at_most_every(PROGRESS_EVERY_S, alive)
+    report_progress_within_steps(model, alive_within_work)
 
     checkpointer = Checkpointer(
         run_dir, writer=writer, group=ckpt_group, save_group=save_group, events=events, every=cfg.ckpt_every,
-        keep_last=cfg.keep_last, fingerprint=cfg.trajectory_hash(), heartbeat=alive,
+        keep_last=cfg.keep_last, fingerprint=cfg.trajectory_hash(), heartbeat=alive_within_work,
         on_published=mirror.submit if mirror else None, on_phase=faults.maybe_fire, atomic=attempt.atomic,
     )  # fmt: skip
     if mirror is not None and not published_checkpoints(checkpointer.root):  # a fresh machine: resume from the mirror
