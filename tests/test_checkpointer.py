@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from tests.conftest import ROOT
 from trainer.checkpoint import (
@@ -29,6 +30,7 @@ from trainer.checkpoint import (
     CheckpointError,
     CheckpointWriteError,
     SaveHooks,
+    SyncDcpWriter,
     latest_checkpoint,
     published_checkpoints,
     step_dir_name,
@@ -254,6 +256,21 @@ def test_the_async_writer_reports_progress_while_it_makes_its_buffers(one_rank: 
         assert all(b.is_shared() and b.shape == (64,) for b in buffers)
     finally:
         writer.close()
+
+
+def test_a_sync_save_reports_progress_as_it_writes_and_hashes(one_rank: None, tmp_path: Path) -> None:
+    """A sync save runs in the loop, seconds for a large state: ``alive`` is called after each
+    write into the shard and each chunk hashed, and the shard is DCP's own (it loads back)."""
+    made: list[int] = []
+    tensors = {"model": {f"w{i}": torch.full((1024,), float(i)) for i in range(4)}}
+    (tmp_path / "rank0.pt").write_bytes(b"rank state")  # what the Checkpointer writes first
+    SyncDcpWriter().start(tensors, tmp_path, new_group(), SaveHooks(alive=lambda: made.append(len(made))))
+    assert len(made) >= len(tensors["model"]) + 2  # a write per tensor, a chunk per file hashed
+    loaded = {"model": {name: torch.zeros(1024) for name in tensors["model"]}}
+    dcp.load(loaded, checkpoint_id=tmp_path)
+    assert all(torch.equal(loaded["model"][n], t) for n, t in tensors["model"].items())
+    record = json.loads((tmp_path / "checksums_rank0.json").read_text())
+    assert {name: entry["sha256"] for name, entry in record.items()} == {name: file_sha256(tmp_path / name) for name in record}
 
 
 @pytest.mark.slow

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import io
 import json
 import os
 import re
 import shutil
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -29,6 +30,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from trainer.errors import non_transient_cause
 from trainer.events import Checkpoint, CheckpointFailed, EventLog, RunWarning
@@ -85,14 +87,17 @@ def local_tier_dir(run_dir: Path, fingerprint: str) -> Path:
     return local_tier_root() / hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
-def write_rank_checksums(directory: Path, rank: int) -> None:
+def write_rank_checksums(directory: Path, rank: int, *, progress: Callable[[], None] = lambda: None) -> None:
     """Hash this rank's files of a checkpoint and record them durably (``checksums_rank<R>.json``).
 
-    Runs right after the rank's shard is written: in the background worker for async saves.
+    Runs right after the rank's shard is written: in the background worker for async saves, in
+    the loop (``progress`` called as it reads) for sync ones.
     """
     directory = Path(directory)
     names = [p.name for p in directory.glob(f"__{rank}_*.distcp")] + [rank_state_file(rank)]
-    record = {name: {"size": (directory / name).stat().st_size, "sha256": file_sha256(directory / name)} for name in names}
+    record = {
+        name: {"size": (directory / name).stat().st_size, "sha256": file_sha256(directory / name, progress=progress)} for name in names
+    }
     atomic_write_text(directory / f"checksums_rank{rank}.json", json.dumps(record))
 
 
@@ -113,8 +118,8 @@ class SaveHooks:
     atomic: Callable[[], AbstractContextManager] = nullcontext
     """A section that in-process restart must not interrupt (sending a write to a worker)."""
     alive: Callable[[], None] = lambda: None
-    """Called through work that may take seconds (buffers made), so that hang detection does not
-    take it for a hang."""
+    """Called through work that may take seconds (buffers made, a sync save's writes), so that
+    hang detection does not take it for a hang."""
 
 
 class CheckpointWriter(Protocol):
@@ -145,15 +150,47 @@ class CheckpointWriter(Protocol):
         """Release background resources."""
 
 
+class _FileSystemReportingWrites(FileSystem):
+    """DCP's local file system, calling ``alive`` after each write into a file it creates."""
+
+    def __init__(self, alive: Callable[[], None]) -> None:
+        super().__init__()
+        self.alive = alive
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        with super().create_stream(path, mode) as stream:
+            yield _ReportingStream(stream, self.alive) if "w" in mode else stream
+
+
+class _ReportingStream:
+    """A file whose writes call ``alive`` (everything else is the file's)."""
+
+    def __init__(self, stream: io.IOBase, alive: Callable[[], None]) -> None:
+        self._stream, self._alive = stream, alive
+
+    def write(self, data: bytes) -> int:
+        written = self._stream.write(data)
+        self._alive()
+        return written
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stream, name)
+
+
 class SyncDcpWriter:
     """The synchronous baseline: ``torch.distributed.checkpoint.save`` inside the loop."""
 
     mode = "sync"
 
     def start(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:
-        """Write, fsync and checksum the shard before returning."""
-        dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(directory, sync_files=True), process_group=group)
-        write_rank_checksums(directory, dist.get_rank())
+        """Write, fsync and checksum the shard before returning, calling ``hooks.alive`` as it
+        writes and reads: a large state's save takes seconds in the loop, not a hang.
+        """
+        storage = dcp.FileSystemWriter(directory, sync_files=True)
+        storage.fs = _FileSystemReportingWrites(hooks.alive)
+        dcp.save(state_dict, storage_writer=storage, process_group=group)
+        write_rank_checksums(directory, dist.get_rank(), progress=hooks.alive)
 
     def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, alive: Callable[[], None]) -> None:
         """Nothing: a synchronous save plans and writes in the loop every time alike."""
@@ -216,7 +253,7 @@ class Checkpointer:
             group: resume and set-up collectives (rank 0 verifies checksums meanwhile: slow).
             save_group: the collectives of saves inside the training loop (default ``group``); its
                 timeout bounds how long a rank waits there for a peer that has faulted.
-            heartbeat: called while waiting for a write and while the writer makes its buffers
+            heartbeat: called while waiting for a write and through a writer's long work
                 (``SaveHooks.alive``), so neither is taken for a hang.
             on_published: receives each published checkpoint directory (rank 0).
             on_phase: called with ``(step, phase)`` as a save reaches each of ``SAVE_PHASES``.

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 
-def file_sha256(path: Path, chunk: int = 8 << 20) -> str:
-    """SHA-256 of a file, read in chunks."""
+def file_sha256(path: Path, chunk: int = 8 << 20, *, progress: Callable[[], None] = lambda: None) -> str:
+    """SHA-256 of a file, read in chunks (``progress`` is called after each)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
             digest.update(block)
+            progress()
     return digest.hexdigest()
 
 

@@ -85,32 +85,29 @@ PROGRESS_EVERY_S = 1.0
 """Least seconds between two reports of progress from within a step or a save."""
 
 
-def at_most_every(seconds: float, report: Callable[[], None]) -> Callable[[], None]:
-    """``report``, skipped when called again within ``seconds`` of its last run: progress
-    reported from within work (each block, each buffer) costs one socket round trip a second.
+def progress_reports(alive: Callable[[], None], every_s: float = PROGRESS_EVERY_S) -> Callable[[], None]:
+    """``alive`` (the hang detectors' "this rank makes progress") for calls from within work
+    (each block, each buffer, each write): at most once per ``every_s``, since each costs a socket
+    round trip, and only from the main thread, since ft_launcher's client sends and reads its
+    reply on one socket (autograd's backward runs in a thread of its own on CUDA).
     """
     last = -math.inf
 
-    def throttled() -> None:
-        nonlocal last
-        if time.monotonic() - last >= seconds:
-            last = time.monotonic()
-            report()
-
-    return throttled
-
-
-def report_progress_within_steps(model: torch.nn.Module, alive: Callable[[], None]) -> None:
-    """Call ``alive`` (the hang detectors' "this rank makes progress", throttled) from within each
-    step too: as each block's forward ends and as its gradient arrives in backward. A step slower
-    than the hang timeout (a large model on CPU) is then not taken for a hang, while a rank stuck
-    in a collective or anywhere outside the model still is: the reports stop with it.
-    """
-
     def report() -> None:
-        # ft_launcher's client sends and reads its reply on one socket: not from autograd's device thread (CUDA).
-        if threading.current_thread() is threading.main_thread():
+        nonlocal last
+        if threading.current_thread() is threading.main_thread() and time.monotonic() - last >= every_s:
+            last = time.monotonic()
             alive()
+
+    return report
+
+
+def report_progress_within_steps(model: torch.nn.Module, report: Callable[[], None]) -> None:
+    """Call ``report`` (from :func:`progress_reports`) from within each step too: as each block's
+    forward ends and as its gradient arrives in backward. A step slower than the hang timeout (a
+    large model on CPU) is then not taken for a hang, while a rank stuck in a collective or
+    anywhere outside the model still is: the reports stop with it.
+    """
 
     def after_forward(block: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
         report()
@@ -362,7 +359,7 @@ def _train(
         monitor.heartbeat()
         attempt.ping()
 
-    alive_within_work = at_most_every(PROGRESS_EVERY_S, alive)
+    alive_within_work = progress_reports(alive)
     report_progress_within_steps(model, alive_within_work)
 
     checkpointer = Checkpointer(
