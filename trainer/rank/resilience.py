@@ -149,7 +149,7 @@ def _drain(q: object) -> None:
 def _shared_buffers_like(tree: object, alive: Callable[[], None]) -> object:
     """Shared-memory buffers shaped like the state ``tree`` (as ``_create_cpu_state_dict`` makes
     them), one tensor at a time with ``alive`` after each: a large state's pages take seconds to
-    make (2 s for the base model's on 2 CPUs), which must not pass for a hang.
+    make (1-2 s for the base model's on 2 CPUs), which must not pass for a hang.
     """
     if isinstance(tree, dict):
         return {key: _shared_buffers_like(value, alive) for key, value in tree.items()}
