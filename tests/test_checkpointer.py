@@ -237,7 +237,7 @@ def test_a_prepared_async_writer_saves_first_with_the_cached_plan(one_rank: None
 
 
 def test_the_async_writer_reports_progress_while_it_makes_its_buffers(one_rank: None, tmp_path: Path) -> None:
-    """A large state's staging buffers take seconds to make (2 s for the base model on 2 CPUs):
+    """A large state's staging buffers take seconds to make (1-2 s for the base model on 2 CPUs):
     the writer calls ``alive`` after each one, so hang detection does not take that for a hang;
     the buffers are shared memory shaped like the state."""
     from trainer.rank.resilience import AsyncCheckpointWriter
@@ -261,11 +261,12 @@ def test_the_async_writer_reports_progress_while_it_makes_its_buffers(one_rank: 
 def test_a_sync_save_reports_progress_as_it_writes_and_hashes(one_rank: None, tmp_path: Path) -> None:
     """A sync save runs in the loop, seconds for a large state: ``alive`` is called after each
     write into the shard and each chunk hashed, and the shard is DCP's own (it loads back)."""
-    made: list[int] = []
+    made: list[bool] = []  # per call: whether DCP's save was complete (then it is the hashing's)
     tensors = {"model": {f"w{i}": torch.full((1024,), float(i)) for i in range(4)}}
     (tmp_path / "rank0.pt").write_bytes(b"rank state")  # what the Checkpointer writes first
-    SyncDcpWriter().start(tensors, tmp_path, new_group(), SaveHooks(alive=lambda: made.append(len(made))))
+    SyncDcpWriter().start(tensors, tmp_path, new_group(), SaveHooks(alive=lambda: made.append((tmp_path / ".metadata").exists())))
     assert len(made) >= len(tensors["model"]) + 2  # a write per tensor, a chunk per file hashed
+    assert made.count(True) == 2  # the shard and the rank state: one chunk each
     loaded = {"model": {name: torch.zeros(1024) for name in tensors["model"]}}
     dcp.load(loaded, checkpoint_id=tmp_path)
     assert all(torch.equal(loaded["model"][n], t) for n, t in tensors["model"].items())

@@ -85,17 +85,17 @@ PROGRESS_EVERY_S = 1.0
 """Least seconds between two reports of progress from within a step or a save."""
 
 
-def progress_reports(alive: Callable[[], None], every_s: float = PROGRESS_EVERY_S) -> Callable[[], None]:
+def progress_reports(alive: Callable[[], None]) -> Callable[[], None]:
     """``alive`` (the hang detectors' "this rank makes progress") for calls from within work
-    (each block, each buffer, each write): at most once per ``every_s``, since each costs a socket
-    round trip, and only from the main thread, since ft_launcher's client sends and reads its
-    reply on one socket (autograd's backward runs in a thread of its own on CUDA).
+    (each block, each buffer, each write): at most once per :data:`PROGRESS_EVERY_S`, since each
+    costs a socket round trip, and only from the main thread, since ft_launcher's client sends and
+    reads its reply on one socket (autograd's backward runs in a thread of its own on CUDA).
     """
     last = -math.inf
 
     def report() -> None:
         nonlocal last
-        if threading.current_thread() is threading.main_thread() and time.monotonic() - last >= every_s:
+        if threading.current_thread() is threading.main_thread() and time.monotonic() - last >= PROGRESS_EVERY_S:
             last = time.monotonic()
             alive()
 
