@@ -10,6 +10,9 @@ durable, the expectation is read from the run's own events.
 from __future__ import annotations
 
 import contextlib
+import datetime
+import multiprocessing
+import multiprocessing.synchronize
 import os
 import re
 import signal
@@ -22,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.conftest import ROOT, losses, train
 from tests.test_training import assert_same_tensors
@@ -41,7 +45,9 @@ from trainer.events import (
     read_events,
     select,
 )
+from trainer.launch.local import free_port
 from trainer.rank.config import Timeouts
+from trainer.rank.resilience import CollectiveConnections
 
 pytestmark = pytest.mark.slow  # real multi-process jobs
 
@@ -137,6 +143,55 @@ def test_every_recovery_and_save_has_its_timeline(faulted_run: FaultedRun) -> No
         save_phases = {k: v for k, v in c.phases.items() if k != "prepare"}
         assert list(save_phases) == async_phases and min(c.phases.values()) >= 0
         assert abs(sum(list(save_phases.values())[:6]) - c.blocking_s) < 1e-6  # the loop stalled up to the hand-off
+
+
+def _rank_of_an_aborted_attempt(rank: int, port: int, out: multiprocessing.Queue, rank_0_done: multiprocessing.synchronize.Event) -> None:
+    """One rank of two: rank 0 enters a collective that rank 1 never joins; rank 1 aborts the
+    attempt as the in-process wrapper does. Then both make the next attempt's group."""
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
+    connections = CollectiveConnections()
+    group = {"rank": rank, "world_size": 2, "timeout": datetime.timedelta(seconds=120)}
+    with connections.recording():
+        dist.init_process_group("gloo", store=dist.PrefixStore("0", store), **group)
+    dist.all_reduce(torch.ones(1))
+    if rank == 1:
+        out.put(("cut", connections.cut()))
+        rank_0_done.wait(90)  # the group lives on meanwhile (in the trainer, the model's mesh holds it)
+    else:
+        try:
+            dist.all_reduce(torch.ones(1))
+            out.put(("blocked", "returned"))
+        except RuntimeError as e:
+            out.put(("blocked", str(e)))
+        rank_0_done.set()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.PrefixStore("1", store), **group)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    out.put((f"next attempt on rank {rank}", total.item()))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_an_abort_fails_a_collective_blocked_on_a_faulted_peer_at_once() -> None:
+    """gloo's own abort does nothing: without cutting the attempt's connections, rank 0 would wait
+    out the group's 120 s timeout (and this test fail at its 60 s wait). With them cut it fails
+    with gloo's closed connection, and the next attempt's group works on both ranks."""
+    context = multiprocessing.get_context("spawn")
+    out, rank_0_done = context.Queue(), context.Event()
+    port = free_port()
+    ranks = [context.Process(target=_rank_of_an_aborted_attempt, args=(rank, port, out, rank_0_done)) for rank in (0, 1)]
+    for process in ranks:
+        process.start()
+    try:
+        results = dict(out.get(timeout=60) for _ in range(4))
+    finally:
+        for process in ranks:
+            process.join(30)
+            process.kill()
+    assert results["cut"] >= 1
+    assert "Connection closed by peer" in results["blocked"], results
+    assert results["next attempt on rank 0"] == results["next attempt on rank 1"] == 2.0
 
 
 def test_a_recurring_soft_fault_is_handed_to_in_job_restart(data_dir: Path, baseline_60: Path, tmp_path: Path) -> None:

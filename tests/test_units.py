@@ -341,3 +341,37 @@ def test_a_config_file_sets_train_options_and_flags_override_it(tmp_path: Path, 
     path.write_text("inprocess_restart = 3\n" if suffix == ".toml" else "inprocess_restart: 3\n")
     with pytest.raises(ValueError, match="inprocess_restart in .* must be true or false"):
         _config_defaults(build_parser(), "train", path)
+
+
+def test_an_abort_cuts_only_the_connections_made_while_recording() -> None:
+    """What an in-process restart's abort shuts down: the internet connections opened while the
+    attempt's groups were made. Not their listening sockets (gloo ends the process if its listener
+    fails), not a Unix socket (ft_launcher's monitor), not what was opened before or after, and
+    not a descriptor whose number was reused."""
+    import socket
+
+    from trainer.rank.resilience import CollectiveConnections
+
+    server = socket.create_server(("127.0.0.1", 0))
+    address = server.getsockname()
+    before = socket.create_connection(address)
+    connections = CollectiveConnections()
+    with connections.recording():
+        made = socket.create_connection(address)
+        gone = socket.create_connection(address)
+        listener = socket.create_server(("127.0.0.1", 0))
+        unix, unix_peer = socket.socketpair()
+    before_peer, made_peer, gone_peer = (server.accept()[0] for _ in range(3))
+    other = socket.create_connection(address)
+    reused = socket.socket(fileno=os.dup2(other.fileno(), gone.detach()))  # another socket at gone's number
+    other_peer = server.accept()[0]
+
+    assert connections.cut() == 1
+    assert made.recv(1) == b"" and made_peer.recv(1) == b""  # shut down: both ends see the end of the stream
+    to_listener = socket.create_connection(listener.getsockname())
+    for end, peer in [(before, before_peer), (reused, other_peer), (unix, unix_peer), (to_listener, listener.accept()[0])]:
+        end.sendall(b"x")
+        assert peer.recv(1) == b"x"
+    assert connections.cut() == 0  # each attempt's connections are cut once
+    for s in (server, before, made, listener, unix, unix_peer, before_peer, made_peer, gone_peer, other, reused, other_peer, to_listener):
+        s.close()

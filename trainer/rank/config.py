@@ -265,9 +265,10 @@ class Timeouts:
 
     collective (in-process only) < in-process recovery < wrapper soft < heartbeat < wrapper hard
     < barrier, and wrapper heartbeat < barrier (NVRx's rule). A rank blocked in a gloo collective
-    can only be interrupted by gloo's own timeout, so with in-process restart the collective
-    timeout must sit below the wrapper's soft timeout; the rank monitor counts in-process recovery
-    as missing heartbeats, so the heartbeat timeout must exceed it.
+    is released when the wrapper's abort cuts the attempt's connections (at a rank's fault, or at
+    the soft timeout of a rank without progress); with in-process restart gloo's own timeout stays
+    below the soft timeout as the fallback should the cut not reach it. The rank monitor counts
+    in-process recovery as missing heartbeats, so the heartbeat timeout must exceed it.
     """
 
     hang: float

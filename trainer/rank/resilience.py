@@ -20,9 +20,10 @@ import pickle
 import queue
 import shutil
 import signal
+import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import chain
@@ -393,6 +394,79 @@ class RankMonitor:
 
 
 # ------------------------------------------------------------------ in-process restart
+def _tcp_sockets() -> dict[int, str]:
+    """This process's open socket file descriptors, each with its kernel identity (``socket:[inode]``)."""
+    sockets = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # closed since listed
+            continue
+        if target.startswith("socket:"):
+            sockets[int(name)] = target
+    return sockets
+
+
+class CollectiveConnections:
+    """The TCP connections of one attempt's gloo process groups, so that an abort can cut them.
+
+    gloo's ``abort()`` and ``shutdown()`` do nothing in torch 2.13, and destroying a group closes
+    nothing while the model's mesh still holds it: a rank blocked in a collective with a peer that
+    failed waited out the group's whole timeout before the in-process restart could begin.
+    Shutting the connections down fails that collective at once, here and on every peer (gloo's
+    "Connection closed by peer"), as NCCL's abort does. Listening sockets are left open (gloo ends
+    the process when its listener fails), and so is everything made outside :meth:`recording`.
+    """
+
+    def __init__(self) -> None:
+        self._made: dict[int, str] = {}
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Remember the internet sockets opened while the block runs (the groups it creates connect at once)."""
+        before = _tcp_sockets()
+        try:
+            yield
+        finally:
+            for fd, identity in _tcp_sockets().items():
+                if before.get(fd) != identity:
+                    self._made[fd] = identity
+
+    def cut(self) -> int:
+        """Shut down every remembered connection that is still the socket it was, and forget them all.
+
+        Returns:
+            How many connections were shut down.
+        """
+        made, self._made = self._made, {}
+        cut = 0
+        for fd, identity in made.items():
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}") != identity:  # closed, its number reused
+                    continue
+                # A duplicate: the descriptor stays gloo's to close; shutdown acts on the socket itself.
+                with socket.socket(fileno=os.dup(fd)) as sock:
+                    if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                        continue
+                    sock.shutdown(socket.SHUT_RDWR)
+                    cut += 1
+            except OSError:  # closed meanwhile, or never connected
+                continue
+        return cut
+
+
+class _AbortAttempt(inprocess.abort.Abort):
+    """NVRx's abort for an in-process restart, preceded by cutting the attempt's gloo connections."""
+
+    def __init__(self, connections: CollectiveConnections) -> None:
+        self._connections = connections
+        self._torch = inprocess.abort.AbortTorchDistributed()
+
+    def __call__(self, state: inprocess.state.FrozenState) -> inprocess.state.FrozenState:
+        self._connections.cut()
+        return self._torch(state)
+
+
 @dataclass(frozen=True, slots=True)
 class Attempt:
     """Which incarnation of the training function this is, and its hooks into the wrapper."""
@@ -403,6 +477,8 @@ class Attempt:
     ping: Callable[[], None] = lambda: None
     store_port: int | None = None
     """Port for this attempt's process-group store (None: use the launcher's environment)."""
+    connections: CollectiveConnections = field(default_factory=CollectiveConnections)
+    """Where the attempt's process groups record their connections, for the wrapper's abort."""
 
 
 def _port_base() -> int:
@@ -433,6 +509,10 @@ def wrapper_timeouts(timeouts: Timeouts) -> dict[str, datetime.timedelta]:
         "heartbeat_timeout": datetime.timedelta(seconds=timeouts.wrapper_heartbeat),
         "barrier_timeout": datetime.timedelta(seconds=timeouts.barrier),
         "completion_timeout": datetime.timedelta(seconds=timeouts.barrier),
+        # How long a rank waits after the first fault before it aborts: failures reported within it
+        # are named together in the restart's message, later ones only in their ranks' logs.
+        # NVRx's 1 s was most of a restart once a blocked collective fails at the abort.
+        "last_call_wait": datetime.timedelta(seconds=0.1),
     }
 
 
@@ -444,18 +524,21 @@ def run_restartable(train_fn: Callable[[Attempt], None], timeouts: Timeouts, *, 
     takes over.
     """
     base = _port_base()
+    connections = CollectiveConnections()
     wrapper = inprocess.Wrapper(
         # A rank that is gone (killed, or ended by a fatal error) is never trained without: the
         # wrapper would shrink the world; in-job restart brings the whole job back instead.
         initialize=inprocess.initialize.RetryController(max_iterations=max_restarts + 1, min_world_size=int(os.environ["WORLD_SIZE"])),
         store_kwargs={"port": base, "timeout": datetime.timedelta(seconds=timeouts.barrier)},
         health_check=inprocess.health_check.CudaHealthCheck() if cuda else None,
+        abort=_AbortAttempt(connections),
         **wrapper_timeouts(timeouts),
     )
 
     def wrapped(call_wrapper: inprocess.CallWrapper | None = None) -> None:
         iteration = call_wrapper.iteration
-        train_fn(Attempt(iteration, atomic=call_wrapper.atomic, ping=call_wrapper.ping, store_port=base + 1 + iteration))
+        hooks = {"atomic": call_wrapper.atomic, "ping": call_wrapper.ping, "connections": connections}
+        train_fn(Attempt(iteration, store_port=base + 1 + iteration, **hooks))
 
     wrapper(wrapped)()
 

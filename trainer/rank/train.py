@@ -321,15 +321,16 @@ def _train(
     store = make_store(attempt, timeouts.barrier)
     if store is not None:  # every rank has joined this attempt's store
         marks["store"] = time.time()
-    init_process_group(rt, store, timeouts.collective)
-    marks["default_group"] = time.time()
-    # Checkpoint collectives get their own gloo groups: they must never interleave with FSDP's.
-    # Resume waits while rank 0 verifies checksums: a long timeout. An async save's collectives in
-    # the loop are quick polls: they time out like training's, so a peer that faulted never holds
-    # this rank past in-process restart's soft timeout. A sync save waits there for the slowest write.
-    ckpt_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeouts.barrier))
-    save_timeout = timeouts.collective if writer.mode == "async" else timeouts.barrier
-    save_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=save_timeout))
+    with attempt.connections.recording():  # an in-process restart's abort cuts them
+        init_process_group(rt, store, timeouts.collective)
+        marks["default_group"] = time.time()
+        # Checkpoint collectives get their own gloo groups: they must never interleave with FSDP's.
+        # Resume waits while rank 0 verifies checksums: a long timeout. An async save's collectives in
+        # the loop are quick polls: they time out like training's, so a peer that faulted never holds
+        # this rank past in-process restart's soft timeout. A sync save waits there for the slowest write.
+        ckpt_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeouts.barrier))
+        save_timeout = timeouts.collective if writer.mode == "async" else timeouts.barrier
+        save_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=save_timeout))
     marks["process_group"] = time.time()
     run_dir = Path(cfg.run_dir)
     events = EventLog(run_dir, rt.rank)
@@ -348,9 +349,11 @@ def _train(
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size))
         nnodes = rt.world_size // per_node
         cliques = replica_cliques(nnodes, per_node, cfg.replicas(nnodes))
+        with attempt.connections.recording():
+            replication = replication_groups(cliques, resume_timeout_s=timeouts.barrier, save_timeout_s=save_timeout)
         local = LocalTier(
             tier_dir, every=cfg.local_ckpt_every, group=ckpt_group, save_group=save_group, events=events,
-            replication=replication_groups(cliques, resume_timeout_s=timeouts.barrier, save_timeout_s=save_timeout),
+            replication=replication,
         )  # fmt: skip
     faults = FaultInjector(cfg.faults, run_dir, rt.rank, events, local_newest=local.newest_own if local else None)
     marks["model_built"] = time.time()
