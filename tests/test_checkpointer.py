@@ -13,7 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -76,7 +76,7 @@ class FakeWriter:
         self.started[group] = hooks
         hooks.on_phase("write")
 
-    def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, alive: Callable[[], None]) -> None:
+    def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:
         self.prepared.append(state_dict)
 
     def poll(self, group: dist.ProcessGroup) -> bool:
@@ -239,7 +239,9 @@ def test_a_prepared_async_writer_saves_first_with_the_cached_plan(one_rank: None
 def test_the_async_writer_reports_progress_while_it_makes_its_buffers(one_rank: None, tmp_path: Path) -> None:
     """A large state's staging buffers take seconds to make (1-2 s for the base model on 2 CPUs):
     the writer calls ``alive`` after each one, so hang detection does not take that for a hang;
-    the buffers are shared memory shaped like the state."""
+    the buffers are shared memory shaped like the state. The ranks then meet (on a group with a
+    long timeout) before the planning collective, once per incarnation: one rank may be seconds
+    later than another."""
     from trainer.rank.resilience import AsyncCheckpointWriter
 
     writer = AsyncCheckpointWriter(cuda=False)
@@ -248,9 +250,15 @@ def test_the_async_writer_reports_progress_while_it_makes_its_buffers(one_rank: 
         params = {f"w{i}": torch.full((64,), float(i)) for i in range(4)}
         moments = {name: {"exp_avg": torch.zeros(64), "step": torch.tensor(3.0)} for name in params}
         tensors = {"model": params, "optim": {"state": moments, "param_groups": [{"lr": 0.1, "params": list(params)}]}}
-        writer.prepare(tensors, tmp_path / "scratch", new_group(), alive=lambda: made.append(len(made)))
+        group = new_group()
+        hooks = SaveHooks(alive=lambda: made.append("alive"), meet=lambda: made.append("meet"))
+        writer.prepare(tensors, tmp_path / "scratch", group, hooks)
         staging = writer._current.staging
-        assert len(made) >= len(params) + 2 * len(moments)  # at least once per tensor
+        assert made.count("alive") >= len(params) + 2 * len(moments)  # at least once per tensor
+        assert made[-1] == "meet" and made.count("meet") == 1  # after the last buffer
+        assert writer.poll(group)
+        writer.start(tensors, tmp_path / "save", group, hooks)
+        assert made.count("meet") == 1  # the buffers are made once per incarnation
         assert staging["optim"]["param_groups"] == tensors["optim"]["param_groups"]
         buffers = [*staging["model"].values(), *(m["exp_avg"] for m in staging["optim"]["state"].values())]
         assert all(b.is_shared() and b.shape == (64,) for b in buffers)

@@ -120,6 +120,10 @@ class SaveHooks:
     alive: Callable[[], None] = lambda: None
     """Called through work that may take seconds (buffers made, a sync save's writes), so that
     hang detection does not take it for a hang."""
+    meet: Callable[[], None] = lambda: None
+    """Waits for every rank, reporting progress, where ranks may arrive seconds apart (after the
+    buffers are made) and the next collective is on ``group``, whose timeout is a training
+    collective's."""
 
 
 class CheckpointWriter(Protocol):
@@ -132,11 +136,11 @@ class CheckpointWriter(Protocol):
         training loop may continue. Call it only after :meth:`poll` returned True.
         """
 
-    def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, alive: Callable[[], None]) -> None:
+    def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:
         """Collective: do now, once the state is complete, what the first :meth:`start` on
         ``group`` would otherwise pay (buffers, plans), so that it stalls no longer than the
         saves after it; ``directory`` is scratch space, removed afterwards. May do nothing.
-        Calls ``alive`` as :attr:`SaveHooks.alive`.
+        Uses ``hooks.alive`` and ``hooks.meet``.
         """
 
     def poll(self, group: dist.ProcessGroup) -> bool:
@@ -192,7 +196,7 @@ class SyncDcpWriter:
         dcp.save(state_dict, storage_writer=storage, process_group=group)
         write_rank_checksums(directory, dist.get_rank(), progress=hooks.alive)
 
-    def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, alive: Callable[[], None]) -> None:
+    def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:
         """Nothing: a synchronous save plans and writes in the loop every time alike."""
 
     def poll(self, group: dist.ProcessGroup) -> bool:
@@ -352,7 +356,8 @@ class Checkpointer:
         """
         t0 = time.perf_counter()
         scratch = self.root / f"{PREPARE_DIR}{self.generation}"
-        self.writer.prepare(state()[0], scratch, self.save_group, self.heartbeat)  # collective: every rank is done with it after
+        hooks = SaveHooks(alive=self.heartbeat, meet=self._meet)
+        self.writer.prepare(state()[0], scratch, self.save_group, hooks)  # collective: every rank is done with it after
         if self.rank == 0:
             shutil.rmtree(scratch, ignore_errors=True)
         self.prepare_s, self._warm = time.perf_counter() - t0, True
@@ -385,7 +390,8 @@ class Checkpointer:
             if self.on_phase is not None:
                 self.on_phase(step, phase)
 
-        self.writer.start(tensors, pending.tmp_dir, self.save_group, SaveHooks(on_phase=on_phase, atomic=self.atomic, alive=self.heartbeat))
+        hooks = SaveHooks(on_phase=on_phase, atomic=self.atomic, alive=self.heartbeat, meet=self._meet)
+        self.writer.start(tensors, pending.tmp_dir, self.save_group, hooks)
         pending.mark("handoff" if self.writer.mode == "async" else "write")
         pending.blocking_s = pending.marks[-1][1] - pending.marks[0][1]
         self.pending = pending
@@ -395,6 +401,15 @@ class Checkpointer:
     def finish(self) -> None:
         """Block until the in-flight save (if any) is published."""
         self._poll(blocking=True)
+
+    def _meet(self) -> None:
+        # On the checkpoint group, whose timeout allows for uneven work (a save's collectives in
+        # the loop have a training collective's): a barrier polled so this rank keeps reporting.
+        arrived = dist.barrier(group=self.group, async_op=True)
+        while not arrived.is_completed():
+            self.heartbeat()
+            time.sleep(0.05)
+        arrived.wait()  # raises what ended it, if not every rank arriving
 
     def _poll(self, *, blocking: bool) -> None:
         # Non-blocking with nothing pending: no collective. Blocking: also waits for a write

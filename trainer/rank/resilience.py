@@ -224,7 +224,7 @@ class AsyncCheckpointWriter:
         """
         current = self._incarnation(group)
         if not self.cuda:
-            state_dict = _copy_state_dict(state_dict, self._staging(current, state_dict, hooks.alive))
+            state_dict = _copy_state_dict(state_dict, self._staging(current, state_dict, hooks))
         hooks.on_phase("stage")
         fs_writer = FileSystemWriterAsync(directory, thread_count=1)
         _, metadata, dist_wrapper = save_state_dict_async_plan(
@@ -240,7 +240,7 @@ class AsyncCheckpointWriter:
             current.started = _StartedWrite(Path(directory), fs_writer, metadata, dist_wrapper, hooks)
         hooks.on_phase("write")
 
-    def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, alive: Callable[[], None]) -> None:
+    def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:
         """Start the worker unless it runs; allocate this incarnation's staging buffers and plan
         twice, writing nothing: NVRx's plan cache is used from the second equal plan on, so the
         first save then skips the planning collective like every later one (without this, the
@@ -249,7 +249,7 @@ class AsyncCheckpointWriter:
         self._ensure_worker()
         current = self._incarnation(group)
         if not self.cuda:
-            state_dict = self._staging(current, state_dict, alive)  # what start() plans: the same structure, never the live tensors
+            state_dict = self._staging(current, state_dict, hooks)  # what start() plans: the same structure, never the live tensors
         for _ in range(2):  # plans name files relative to the directory: the same for every save
             plan_only = FileSystemWriterAsync(directory, thread_count=1)  # its directory is made, never written
             save_state_dict_async_plan(state_dict, plan_only, process_group=group, enable_cache=True, metadata_cache=current.plans)
@@ -281,10 +281,13 @@ class AsyncCheckpointWriter:
         caller.process = None  # so NVRx's own close() (from __del__) has nothing left to join
 
     @staticmethod
-    def _staging(current: _Incarnation, state_dict: dict, alive: Callable[[], None]) -> dict:
+    def _staging(current: _Incarnation, state_dict: dict, hooks: SaveHooks) -> dict:
         """The incarnation's shared-memory buffers shaped like ``state_dict``, made on first use."""
         if current.staging is None:
-            current.staging = _shared_buffers_like(state_dict, alive)
+            current.staging = _shared_buffers_like(state_dict, hooks.alive)
+            # Seconds for a large state, longer on one rank than another: the planning collective
+            # next would time out on the rank that waits (a training collective's timeout).
+            hooks.meet()
         return current.staging
 
     def _incarnation(self, group: dist.ProcessGroup) -> _Incarnation:
