@@ -397,7 +397,7 @@ class RankMonitor:
 
 
 # ------------------------------------------------------------------ in-process restart
-def _tcp_sockets() -> dict[int, str]:
+def _open_sockets() -> dict[int, str]:
     """This process's open socket file descriptors, each with its kernel identity (``socket:[inode]``)."""
     sockets = {}
     for name in os.listdir("/proc/self/fd"):
@@ -427,11 +427,11 @@ class CollectiveConnections:
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
         """Remember the internet sockets opened while the block runs (the groups it creates connect at once)."""
-        before = _tcp_sockets()
+        before = _open_sockets()
         try:
             yield
         finally:
-            for fd, identity in _tcp_sockets().items():
+            for fd, identity in _open_sockets().items():
                 if before.get(fd) != identity:
                     self._made[fd] = identity
 
