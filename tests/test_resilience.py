@@ -124,6 +124,15 @@ def test_rank_0_prints_progress_and_each_restart(faulted_run: FaultedRun) -> Non
     assert {int(m) for m in re.findall(r"^step (\d+)/60 ", log, re.MULTILINE)} >= {10, 20, 30, 40, 50, 60}
 
 
+def test_an_in_process_restart_cuts_the_faulted_attempts_connections(faulted_run: FaultedRun) -> None:
+    """The wrapper's abort runs on every rank and shuts down the attempt's gloo connections, so the
+    rank that did not fault is not left waiting out gloo's timeout in a collective with the one
+    that did (how that fails the collective: the two-rank test below)."""
+    log = "".join(p.read_text() for p in sorted((faulted_run.run / "logs").glob("replica_*.log")))
+    cuts = re.findall(r"^rank (\d+): in-process restart: cut (\d+) connections", log, re.MULTILINE)
+    assert {rank for rank, count in cuts if int(count) > 0} == {"0", "1"}, cuts
+
+
 def test_every_recovery_and_save_has_its_timeline(faulted_run: FaultedRun) -> None:
     """Where each second went, from the events a production run writes: phases in order, ending
     with the recovery (or the save's publication)."""

@@ -21,6 +21,7 @@ import queue
 import shutil
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -181,6 +182,8 @@ class _Incarnation:
     # is unchanged, which skips the planning collective. Every rank decides reuse from its own
     # plan, so the cache must start empty on every rank at once: a new incarnation, a new cache.
     plans: CheckpointMetadataCache = field(default_factory=CheckpointMetadataCache)
+    met: bool = False
+    """Whether the ranks have met since their buffers were made (:meth:`AsyncCheckpointWriter._meet_once`)."""
 
 
 class AsyncCheckpointWriter:
@@ -224,7 +227,8 @@ class AsyncCheckpointWriter:
         """
         current = self._incarnation(group)
         if not self.cuda:
-            state_dict = _copy_state_dict(state_dict, self._staging(current, state_dict, hooks))
+            state_dict = _copy_state_dict(state_dict, self._staging(current, state_dict, hooks.alive))
+        self._meet_once(current, hooks)
         hooks.on_phase("stage")
         fs_writer = FileSystemWriterAsync(directory, thread_count=1)
         _, metadata, dist_wrapper = save_state_dict_async_plan(
@@ -249,7 +253,8 @@ class AsyncCheckpointWriter:
         self._ensure_worker()
         current = self._incarnation(group)
         if not self.cuda:
-            state_dict = self._staging(current, state_dict, hooks)  # what start() plans: the same structure, never the live tensors
+            state_dict = self._staging(current, state_dict, hooks.alive)  # what start() plans: the same structure, never the live tensors
+        self._meet_once(current, hooks)
         for _ in range(2):  # plans name files relative to the directory: the same for every save
             plan_only = FileSystemWriterAsync(directory, thread_count=1)  # its directory is made, never written
             save_state_dict_async_plan(state_dict, plan_only, process_group=group, enable_cache=True, metadata_cache=current.plans)
@@ -281,14 +286,21 @@ class AsyncCheckpointWriter:
         caller.process = None  # so NVRx's own close() (from __del__) has nothing left to join
 
     @staticmethod
-    def _staging(current: _Incarnation, state_dict: dict, hooks: SaveHooks) -> dict:
+    def _staging(current: _Incarnation, state_dict: dict, alive: Callable[[], None]) -> dict:
         """The incarnation's shared-memory buffers shaped like ``state_dict``, made on first use."""
         if current.staging is None:
-            current.staging = _shared_buffers_like(state_dict, hooks.alive)
-            # Seconds for a large state, longer on one rank than another: the planning collective
-            # next would time out on the rank that waits (a training collective's timeout).
-            hooks.meet()
+            current.staging = _shared_buffers_like(state_dict, alive)
         return current.staging
+
+    @staticmethod
+    def _meet_once(current: _Incarnation, hooks: SaveHooks) -> None:
+        """Before an incarnation's first (uncached) plan: the buffers made just before take seconds
+        for a large state, longer on one rank than another, and the planning collective would time
+        out on the rank that waits (it has a training collective's timeout).
+        """
+        if not current.met:
+            hooks.meet()
+            current.met = True
 
     def _incarnation(self, group: dist.ProcessGroup) -> _Incarnation:
         if self._current is None or self._current.group is not group:
@@ -397,16 +409,16 @@ class RankMonitor:
 
 
 # ------------------------------------------------------------------ in-process restart
-def _open_sockets() -> dict[int, str]:
-    """This process's open socket file descriptors, each with its kernel identity (``socket:[inode]``)."""
+def _open_sockets() -> dict[int, int]:
+    """This process's open socket file descriptors, each with its socket's inode (its identity)."""
     sockets = {}
     for name in os.listdir("/proc/self/fd"):
         try:
-            target = os.readlink(f"/proc/self/fd/{name}")
+            target = os.readlink(f"/proc/self/fd/{name}")  # socket:[inode]
         except OSError:  # closed since listed
             continue
-        if target.startswith("socket:"):
-            sockets[int(name)] = target
+        if target.startswith("socket:["):
+            sockets[int(name)] = int(target[len("socket:[") : -1])
     return sockets
 
 
@@ -418,43 +430,52 @@ class CollectiveConnections:
     failed waited out the group's whole timeout before the in-process restart could begin.
     Shutting the connections down fails that collective at once, here and on every peer (gloo's
     "Connection closed by peer"), as NCCL's abort does. Listening sockets are left open (gloo ends
-    the process when its listener fails), and so is everything made outside :meth:`recording`.
+    the process when its listener fails). What is recorded is every internet socket the process
+    opened while :meth:`recording` ran: a connection another thread opened in those milliseconds
+    (rank 0's checkpoint mirror, uploading) is cut too, and that upload is retried.
     """
 
     def __init__(self) -> None:
-        self._made: dict[int, str] = {}
+        self._made: dict[int, int] = {}
+        self._lock = threading.Lock()  # the abort runs on the wrapper's monitor thread
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
-        """Remember the internet sockets opened while the block runs (the groups it creates connect at once)."""
+        """Remember the sockets opened while the block runs (the groups it creates connect at once)."""
         before = _open_sockets()
         try:
             yield
         finally:
-            for fd, identity in _open_sockets().items():
-                if before.get(fd) != identity:
-                    self._made[fd] = identity
+            made = {fd: inode for fd, inode in _open_sockets().items() if before.get(fd) != inode}
+            with self._lock:
+                self._made.update(made)
 
     def cut(self) -> int:
-        """Shut down every remembered connection that is still the socket it was, and forget them all.
+        """Shut down every remembered internet connection that is still the socket it was, and
+        forget them all.
 
         Returns:
             How many connections were shut down.
         """
-        made, self._made = self._made, {}
+        with self._lock:
+            made, self._made = self._made, {}
         cut = 0
-        for fd, identity in made.items():
+        for fd, inode in made.items():
             try:
-                if os.readlink(f"/proc/self/fd/{fd}") != identity:  # closed, its number reused
-                    continue
                 # A duplicate: the descriptor stays gloo's to close; shutdown acts on the socket itself.
-                with socket.socket(fileno=os.dup(fd)) as sock:
-                    if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                        continue
-                    sock.shutdown(socket.SHUT_RDWR)
-                    cut += 1
-            except OSError:  # closed meanwhile, or never connected
+                duplicate = os.dup(fd)
+            except OSError:  # closed since
                 continue
+            if os.fstat(duplicate).st_ino != inode:  # closed, and its number reused
+                os.close(duplicate)
+                continue
+            with socket.socket(fileno=duplicate) as sock:
+                try:
+                    if sock.family in (socket.AF_INET, socket.AF_INET6) and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                        sock.shutdown(socket.SHUT_RDWR)
+                        cut += 1
+                except OSError:  # never connected, or already shut
+                    continue
         return cut
 
 
@@ -466,8 +487,12 @@ class _AbortAttempt(inprocess.abort.Abort):
         self._torch = inprocess.abort.AbortTorchDistributed()
 
     def __call__(self, state: inprocess.state.FrozenState) -> inprocess.state.FrozenState:
-        self._connections.cut()
-        return self._torch(state)
+        try:
+            cut = self._connections.cut()
+            print(f"rank {state.rank}: in-process restart: cut {cut} connections of the attempt's groups", file=sys.stderr, flush=True)
+        finally:  # the groups go whatever happened above: the next attempt makes its own
+            self._torch(state)
+        return state
 
 
 @dataclass(frozen=True, slots=True)
