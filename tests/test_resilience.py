@@ -127,10 +127,13 @@ def test_rank_0_prints_progress_and_each_restart(faulted_run: FaultedRun) -> Non
 def test_an_in_process_restart_cuts_the_faulted_attempts_connections(faulted_run: FaultedRun) -> None:
     """The wrapper's abort runs on every rank and shuts down the attempt's gloo connections, so the
     rank that did not fault is not left waiting out gloo's timeout in a collective with the one
-    that did (how that fails the collective: the two-rank test below)."""
+    that did (how that fails the collective: the two-rank test below). Whichever rank cuts first
+    ends both sides' connections: gloo closes its own on the peer's end of stream, so the later
+    rank may find none left to cut."""
     log = "".join(p.read_text() for p in sorted((faulted_run.run / "logs").glob("replica_*.log")))
     cuts = re.findall(r"^rank (\d+): in-process restart: cut (\d+) connections", log, re.MULTILINE)
-    assert {rank for rank, count in cuts if int(count) > 0} == {"0", "1"}, cuts
+    assert {rank for rank, _ in cuts} == {"0", "1"}, cuts
+    assert any(int(count) > 0 for _, count in cuts), cuts
 
 
 def test_every_recovery_and_save_has_its_timeline(faulted_run: FaultedRun) -> None:
