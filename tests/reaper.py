@@ -21,19 +21,38 @@ import pytest
 TAG_ENV = "RFSDP_TEST_PROCESS_TAG"
 
 
-def tagged_processes(tag: str) -> list[int]:
-    """Live processes whose environment carries ``tag``."""
+def tagged_processes(tag: str) -> tuple[list[int], list[int]]:
+    """Live processes whose environment carries ``tag``, and those that may be about to.
+
+    The second list holds children of this process or of a tagged one whose environment reads
+    empty: a process in the middle of ``exec`` (which ``Popen`` has already returned from) shows
+    no environment for a moment, so one scan can miss it.
+    """
     needle = f"{TAG_ENV}={tag}".encode()
-    found = []
+    found, blank = [], []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if needle in (entry / "environ").read_bytes().split(b"\0") and alive(int(entry.name)):
-                found.append(int(entry.name))
+            environ = (entry / "environ").read_bytes()
         except OSError:  # gone meanwhile, or not ours to read
             continue
-    return found
+        pid = int(entry.name)
+        if not alive(pid):
+            continue
+        if needle in environ.split(b"\0"):
+            found.append(pid)
+        elif not environ:
+            blank.append(pid)
+    return found, [pid for pid in blank if parent(pid) in {os.getpid(), *found}]
+
+
+def parent(pid: int) -> int | None:
+    """The parent of ``pid``, or None once it is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def untagged_env() -> dict[str, str]:
@@ -54,8 +73,8 @@ def kill_tagged(tag: str, *, rounds: int = 20) -> list[int]:
     """SIGKILL every process carrying ``tag`` (again, while some fork as they die); returns them."""
     killed: list[int] = []
     for _ in range(rounds):
-        pids = tagged_processes(tag)
-        if not pids:
+        pids, exec_pending = tagged_processes(tag)
+        if not pids and not exec_pending:
             break
         for pid in pids:
             try:

@@ -6,11 +6,12 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 
-from tests.reaper import alive, untagged_env
+from tests.reaper import TAG_ENV, alive, kill_tagged, untagged_env
 
 TESTS = Path(__file__).resolve().parent
 
@@ -54,6 +55,32 @@ def test_without_the_reaper_the_process_would_outlive_the_test(tmp_path: Path) -
         assert alive(pid)
     finally:
         os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_process_caught_in_exec_is_still_reaped() -> None:
+    """Right after Popen returns, the child may still be in exec, showing no environment yet.
+
+    On a busy machine a scan can pass it there (CI saw one survive its test); busy loops on
+    every core make that likely: without the reaper's second look, several of 100 survive here.
+    """
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"], env=untagged_env()) for _ in range(3)]
+    test_tag, survivors = os.environ[TAG_ENV], []
+    try:
+        for _ in range(100):
+            os.environ[TAG_ENV] = tag = uuid.uuid4().hex
+            proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            os.environ[TAG_ENV] = test_tag
+            kill_tagged(tag)
+            if alive(proc.pid):
+                survivors.append(proc.pid)
+            proc.kill()
+            proc.wait()
+    finally:
+        for loop in busy:
+            loop.kill()
+            loop.wait()
+    assert not survivors
 
 
 @pytest.fixture(scope="module")
