@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -62,6 +63,17 @@ def train(data: Path, run_dir: Path, *extra: str, check: bool = True, timeout: f
         logs = "\n".join(p.read_text()[-3000:] for p in sorted((run_dir / "logs").glob("*.log"))) if (run_dir / "logs").exists() else ""
         raise AssertionError(f"rfsdp train failed ({proc.returncode}):\n{proc.stderr[-3000:]}\n{logs}")
     return proc
+
+
+def assert_nothing_of_the_run_left(run_dir: Path, *, within_s: float = 10) -> None:
+    """No process of the run (its command line names ``--run-dir``) outlives it by more than
+    ``within_s``: NVRx's in-process monitor, double-forked in its own session with its rank's
+    command line, notices its rank gone only at its next 1 s poll, after ``rfsdp train`` exits.
+    """
+    deadline = time.monotonic() + within_s
+    while leftovers := subprocess.run(["pgrep", "-f", f"--run-dir {run_dir}"], capture_output=True, text=True).stdout.split():
+        assert time.monotonic() < deadline, f"processes of {run_dir} left: {leftovers}"
+        time.sleep(0.2)
 
 
 def losses(run_dir: Path) -> dict[int, float]:

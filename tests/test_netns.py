@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, as_unprivileged, losses, tier_of, train
+from tests.conftest import ROOT, as_unprivileged, assert_nothing_of_the_run_left, losses, tier_of, train
 from trainer.checkpoint import latest_checkpoint, published_checkpoints
 from trainer.emulation.netns import LocalCluster, netns_problem
 from trainer.events import Checkpoint, FaultFired, Restart, Step, read_events, select
@@ -177,8 +177,7 @@ def test_ctrl_c_tears_everything_down(data_dir: Path, tmp_path: Path) -> None:
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=120)
     assert not [n for n in _our_namespaces() if n.startswith(tag)]
-    leftovers = subprocess.run(["pgrep", "-f", f"--run-dir {run}"], capture_output=True, text=True).stdout.split()
-    assert not leftovers
+    assert_nothing_of_the_run_left(run)
 
 
 PUBLISH_PROBE = textwrap.dedent(

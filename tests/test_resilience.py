@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conftest import ROOT, losses, train
+from tests.conftest import ROOT, assert_nothing_of_the_run_left, losses, train
 from tests.test_training import assert_same_tensors
 from trainer.checkpoint import CHECKPOINTS, latest_checkpoint, read_full_state, step_dir_name, verify_checkpoint
 from trainer.errors import FATAL_EXIT_CODE
@@ -264,7 +264,7 @@ def test_sigterm_preempts_the_whole_job_gracefully(data_dir: Path, tmp_path: Pat
     assert end.status == "preempted" and end.step < 1000
     assert latest_checkpoint(run).name == step_dir_name(end.step)  # the step reached, off the checkpoint interval or not
     verify_checkpoint(latest_checkpoint(run))
-    assert not subprocess.run(["pgrep", "-f", f"--run-dir {run}"], capture_output=True, text=True).stdout.split()
+    assert_nothing_of_the_run_left(run)
 
 
 def test_a_preempted_rank_stops_every_rank_and_the_run_resumes_exactly(data_dir: Path, baseline_60: Path, tmp_path: Path) -> None:
@@ -303,10 +303,7 @@ def test_all_four_faults_in_one_run(faulted_run: FaultedRun) -> None:
     assert "corrupt event lines" in faulted_run.stdout and f"1 skipped (line {torn})" in faulted_run.stdout
     # Nothing of the job outlives it: not a killed rank's checkpoint writer, nor the process that
     # writer forked for a write in flight (before, one was left stuck on a lock about every other run).
-    deadline = time.monotonic() + 10
-    while leftovers := subprocess.run(["pgrep", "-f", f"--run-dir {faulted_run.run}"], capture_output=True, text=True).stdout.split():
-        assert time.monotonic() < deadline, f"processes left: {leftovers}"
-        time.sleep(0.5)
+    assert_nothing_of_the_run_left(faulted_run.run)
 
 
 def test_restarts_exhausted_keeps_last_good_checkpoint(data_dir: Path, tmp_path: Path) -> None:
@@ -334,10 +331,13 @@ def test_a_full_disk_ends_the_job_for_good_and_keeps_the_last_checkpoint(data_di
     assert not [e for e in events if isinstance(e, Restart)]  # no recovery was attempted
     assert max(e.step for e in events if isinstance(e, Step)) <= 12
     assert isinstance(events[-1], RunEnd) and (events[-1].status, events[-1].exit_code) == ("failed", FATAL_EXIT_CODE)
-    # ft_launcher restarted the workers (it restarts any failure) within its budget; each exited at once.
+    # ft_launcher restarted the workers (it restarts any failure) within its budget; each exited at
+    # once, before any recovery (above). The launcher stops a rank's sibling once it exits: a rank
+    # still importing may be stopped before it says so itself.
     log = (run / "logs" / "replica_0.log").read_text()
-    assert 1 <= log.count("will restart worker group") <= 2
-    assert log.count("not restarting, the job met an error no restart can fix") == 2 * log.count("will restart worker group")
+    restarted = log.count("will restart worker group")
+    assert 1 <= restarted <= 2
+    assert restarted <= log.count("not restarting, the job met an error no restart can fix") <= 2 * restarted
     published = [e.step for e in events if isinstance(e, Checkpoint) and e.tier == "durable"]
     assert published and latest_checkpoint(run).name == step_dir_name(published[-1])
     verify_checkpoint(latest_checkpoint(run))
