@@ -343,6 +343,58 @@ def test_a_config_file_sets_train_options_and_flags_override_it(tmp_path: Path, 
         _config_defaults(build_parser(), "train", path)
 
 
+def test_a_store_client_connects_once_its_server_listens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank's store client waits for rank 0's server to listen before connecting (c10d's
+    client, coming first, retries only half a second later). The wait returns only once the
+    server listens, and at its timeout when nothing does; an attempt's store (rank 1) uses it,
+    and c10d's server works after the probe."""
+    import datetime
+    import socket
+    import threading
+
+    import torch.distributed as dist
+
+    from trainer.rank import resilience
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        listening_since: list[float] = []
+
+        def listen_later() -> None:
+            time.sleep(0.3)
+            listening_since.append(time.monotonic())
+            listener.listen()
+
+        threading.Thread(target=listen_later).start()
+        resilience.wait_until_listening("127.0.0.1", port, 30)
+        assert listening_since and time.monotonic() >= listening_since[0]
+    resilience.wait_until_listening("127.0.0.1", port, 0.2)  # nothing listens: returns, raising nothing
+
+    waited: list[tuple[str, int]] = []
+    wait = resilience.wait_until_listening
+
+    def recorded_wait(host: str, port: int, timeout_s: float) -> None:
+        waited.append((host, port))
+        wait(host, port, timeout_s)
+
+    monkeypatch.setattr(resilience, "wait_until_listening", recorded_wait)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    served: list[dist.TCPStore] = []
+
+    def serve() -> None:
+        served.append(dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=datetime.timedelta(seconds=30), wait_for_workers=True))
+        served[0].set("from rank 0", "hello")
+
+    server = threading.Thread(target=serve)
+    server.start()
+    client = resilience.make_store(resilience.Attempt(store_port=port), 30)
+    server.join()
+    assert waited == [("127.0.0.1", port)] and client.get("from rank 0") == b"hello"
+
+
 def test_an_abort_cuts_only_the_connections_made_while_recording() -> None:
     """What an in-process restart's abort shuts down: the internet connections opened while the
     attempt's groups were made. Not their listening sockets (gloo ends the process if its listener
