@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import queue
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,22 @@ import pytest
 import torch
 
 from trainer.data.shards import DataError, TokenLoader, decode, encode, load_manifest, load_split, prepare_tokens, verify_shards
-from trainer.events import EventLog, FaultFired, Restart, RunEnd, RunStart, Step, describe_restart, final_losses, parse_event_lines
+from trainer.events import (
+    Checkpoint,
+    EventLog,
+    FaultFired,
+    Restart,
+    RunEnd,
+    RunHistory,
+    RunStart,
+    Step,
+    describe_restart,
+    final_losses,
+    parse_event_lines,
+    read_events,
+    read_history,
+    to_record,
+)
 from trainer.faults import parse_fault_spec
 from trainer.launch.local import STORE_PORT_SPAN, check_launch, free_port_base
 from trainer.launch.spec import LaunchSpec
@@ -153,7 +169,7 @@ def test_describe_restart_measures_from_the_fault() -> None:
     ]
     first = Step(time=20.0, step=11, loss=1.0, step_time_s=0.5)
     marks = {"imports_done": 3.0, "process_group": 16.0, "resumed": 18.0}  # a process that outlived the fault
-    r = describe_restart(prior, layer="in_process", resumed_from=10, first_step=first, marks=marks)
+    r = describe_restart(RunHistory.of(prior), layer="in_process", resumed_from=10, first_step=first, marks=marks)
     phases = {"process_group": 1.5, "resumed": 3.5, "first_step": 5.5}
     assert r == Restart(layer="in_process", attempt=1, resumed_from_step=10, lost_steps=4, recovery_s=5.5, phases=phases)
 
@@ -165,9 +181,9 @@ def test_recovery_is_measured_on_the_clock_of_the_host_that_saw_it_end() -> None
     fault = FaultFired(time=114.5, host="node-1", rank=1, kind="sigkill", step=15)
     first = Step(time=20.0, host="node-0", step=11, loss=1.0, step_time_s=0.5)
     prior = [RunStart(time=0.0, host="node-0", config={}, resumed_from_step=0, world_size=2), *steps, fault]
-    assert describe_restart(prior, layer="in_job", resumed_from=10, first_step=first).recovery_s == 20.0 - 14.0
+    assert describe_restart(RunHistory.of(prior), layer="in_job", resumed_from=10, first_step=first).recovery_s == 20.0 - 14.0
     same_host = dataclasses.replace(fault, time=14.5, host="node-0")
-    assert describe_restart([*prior[:-1], same_host], layer="in_job", resumed_from=10, first_step=first).recovery_s == 5.5
+    assert describe_restart(RunHistory.of([*prior[:-1], same_host]), layer="in_job", resumed_from=10, first_step=first).recovery_s == 5.5
 
 
 def test_torn_event_lines_are_skipped() -> None:
@@ -180,6 +196,19 @@ def test_torn_event_lines_are_skipped() -> None:
 def test_final_losses_take_the_last_line() -> None:
     events = [Step(step=1, loss=2.0, step_time_s=0.1), Step(step=1, loss=1.5, step_time_s=0.1)]
     assert final_losses(events) == {1: 1.5}
+
+
+def test_a_second_fault_before_the_first_ones_step_counts_only_its_own_lost_steps() -> None:
+    """Faults at step 27 and, after resuming from 20, at step 23: the second restart redoes 21-22,
+    not 21-27 again (the steps each restart counts are the steps run more than once)."""
+    step = partial(Step, loss=1.0, step_time_s=0.1)
+    first_incarnation = [RunStart(config={}, resumed_from_step=0, world_size=2), *(step(step=s) for s in range(1, 28))]
+    fault = FaultFired(kind="sigkill", step=28)
+    restarted = [step(step=21), Restart(layer="in_job", attempt=1, resumed_from_step=20, lost_steps=7, recovery_s=1.0), step(step=22)]
+    history = RunHistory.of([*first_incarnation, fault])
+    assert describe_restart(history, layer="in_job", resumed_from=20, first_step=step(step=21)).lost_steps == 7
+    history = RunHistory.of([*first_incarnation, fault, *restarted, fault])
+    assert describe_restart(history, layer="in_job", resumed_from=20, first_step=step(step=21)).lost_steps == 2
 
 
 def test_launch_refuses_bad_input_before_starting(tmp_path: Path, data_dir: Path) -> None:
@@ -201,11 +230,50 @@ def test_recovery_layer() -> None:
 
     crashed = [RunStart(config={}, resumed_from_step=0, world_size=2), Step(step=1, loss=1.0, step_time_s=0.1)]
     finished = [*crashed, RunEnd(status="stopped")]
+    crashed, finished = RunHistory.of(crashed), RunHistory.of(finished)
     assert recovery_layer(crashed, in_process_iteration=1, in_job_restart=0) == "in_process"
     assert recovery_layer(finished, in_process_iteration=0, in_job_restart=2) == "in_job"
     assert recovery_layer(crashed, in_process_iteration=0, in_job_restart=0) == "in_job"  # a replaced replica
     assert recovery_layer(finished, in_process_iteration=0, in_job_restart=0) is None  # a deliberate resume
-    assert recovery_layer([], in_process_iteration=0, in_job_restart=0) is None
+    assert recovery_layer(RunHistory(), in_process_iteration=0, in_job_restart=0) is None
+
+
+def test_a_run_history_keeps_what_a_restart_needs_and_reads_only_its_kinds(tmp_path: Path) -> None:
+    """The history folded from the file equals the one folded from every event, torn lines and
+    lines of kinds it skips unparsed included; a fault counts only until the next (re)start."""
+    step = partial(Step, loss=1.0, step_time_s=0.1, host="h0")
+    ckpt = partial(Checkpoint, mode="async", blocking_s=0.01, total_s=0.1, bytes=1, tier="local")
+    events = [
+        RunStart(time=0.0, config={}, resumed_from_step=0, world_size=2),
+        step(time=1.0, step=1), ckpt(time=1.1, step=1), step(time=2.0, step=2),
+        FaultFired(time=2.5, kind="exception", step=3, host="h1"),
+        step(time=2.6, step=3),  # completed after the fault, before the restart
+        FaultFired(time=2.7, kind="sigkill", step=4, host="h1"),
+        Restart(time=4.0, layer="in_job", attempt=1, resumed_from_step=1, lost_steps=2, recovery_s=1.5),
+        step(time=5.0, step=2), RunEnd(time=6.0, status="stopped", step=2),
+        RunStart(time=10.0, config={}, resumed_from_step=2, world_size=2),
+        step(time=11.0, step=3), step(time=12.0, step=4),
+        FaultFired(time=12.5, kind="sigkill", step=5, host="h1"), step(time=12.6, step=5),
+    ]  # fmt: skip
+    lines = [json.dumps(to_record(e)) + "\n" for e in events]  # as EventLog writes them, with these times and hosts
+    lines[2:4] = [lines[2][:30] + lines[3]]  # a checkpoint line torn by its killed writer, the next line (a step) on it
+    (tmp_path / "events.jsonl").write_text("".join(lines) + "not json\n")
+    written = read_events(tmp_path)
+    at = {e.time: e for e in written}
+    assert 1.1 not in at and 2.0 not in at  # both lost to the tear, as every reader loses them
+
+    history = read_history(tmp_path)
+    assert history == RunHistory.of(written)
+    assert (history.restarts, history.restarts_in_session, history.session_open, history.max_step) == (1, 0, True, 5)
+    assert history.fault == at[12.5] and history.last_step_time_before_fault == {"h0": 12.0}
+    assert read_events(tmp_path, [Restart, RunEnd]) == [e for e in written if isinstance(e, Restart | RunEnd)]
+
+    # The first session: of its two faults the later counts, and the step completed after it does not.
+    first = RunHistory.of(e for e in written if e.time <= 2.7)
+    assert first.fault == at[2.7] and first.last_step_time_before_fault == {"h0": 2.6}
+    assert RunHistory.of(e for e in written if e.time <= 5.0).fault is None  # the restart ended it
+    restart = describe_restart(first, layer="in_job", resumed_from=1, first_step=step(time=4.0, step=2))
+    assert (restart.attempt, restart.lost_steps, restart.recovery_s) == (1, 2, 4.0 - 2.6)
 
 
 def test_outside_internals_the_async_writer_relies_on() -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from trainer.data import BUILTIN_CORPUS
 from trainer.data.prepare import DEFAULT_SHARD_TOKENS
 from trainer.errors import FATAL_EXIT_CODE
-from trainer.events import EVENTS_FILE, fatal_error, latest_end, read_events
+from trainer.events import EVENTS_FILE, Fatal, RunEnd, RunStart, fatal_error, latest_end, read_events
 from trainer.launch.spec import LaunchSpec
 from trainer.rank.config import TrainConfig, add_train_arguments
 from trainer.results.tracking import DEFAULT_EXPERIMENT
@@ -49,14 +49,14 @@ def _train(args: argparse.Namespace) -> int:
             else:
                 code = launch_local(cfg, spec, progress=not args.quiet)
         except Terminated:  # preempted: a clean end if every rank checkpointed the step it reached
-            end = latest_end(read_events(Path(cfg.run_dir)))
+            end = latest_end(read_events(Path(cfg.run_dir), [RunStart, RunEnd]))
             if end is None or end.status != "preempted":
                 raise
             print(f"rfsdp train: preempted at step {end.step}, checkpointed: the same command resumes it", file=sys.stderr)
             code = 0
     if code:
         logs = Path(cfg.run_dir) / "logs"
-        if code == FATAL_EXIT_CODE and (fatal := fatal_error(read_events(Path(cfg.run_dir)))):
+        if code == FATAL_EXIT_CODE and (fatal := fatal_error(read_events(Path(cfg.run_dir), [Fatal]))):
             print(f"rfsdp train: stopped for good on rank {fatal.rank}, no restart can fix: {fatal.error}; logs in {logs}", file=sys.stderr)
             return FATAL_EXIT_CODE
         print(f"rfsdp train: the job failed (exit code {code}); logs in {logs}", file=sys.stderr)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import functools
 import json
 import os
 import socket
@@ -281,11 +282,16 @@ def from_record(record: dict[str, Any]) -> Event | None:
     cls = EVENT_TYPES.get(record.get("event")) if isinstance(record, dict) else None
     if cls is None:
         return None
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = _field_names(cls)
     try:
         return cls(**{k: v for k, v in record.items() if k in names})
     except TypeError:  # a required field is missing
         return None
+
+
+@functools.cache
+def _field_names(cls: type[Event]) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(cls))
 
 
 class EventLog:
@@ -312,17 +318,31 @@ class EventLog:
         return event
 
 
-def read_events(run_dir: Path) -> list[Event]:
-    """All events of a run, in file order (torn lines from killed writers are skipped)."""
+def read_events(run_dir: Path, kinds: Iterable[type[Event]] | None = None) -> list[Event]:
+    """All events of a run (of ``kinds`` only, when given), in file order; see :func:`iter_events`."""
+    return list(iter_events(run_dir, kinds))
+
+
+def iter_events(run_dir: Path, kinds: Iterable[type[Event]] | None = None) -> Iterator[Event]:
+    """A run's events in file order, read line by line; torn lines from killed writers are
+    skipped. With ``kinds``, a line of another kind (the kind is written first) is skipped
+    unparsed: a run of days writes millions of lines, mostly steps and checkpoints.
+    """
     path = Path(run_dir) / EVENTS_FILE
-    return list(parse_event_lines(path.read_text())) if path.exists() else []
+    if not path.exists():
+        return
+    wanted = None if kinds is None else frozenset(cls.KIND for cls in kinds)
+    with path.open() as lines:
+        for _, event in _parse(lines, wanted):
+            if event is not None:
+                yield event
 
 
 def parse_event_lines(text: str) -> Iterator[Event]:
     """The events in ``text``, skipping torn lines: a process killed mid-write leaves a partial
     line, which the next writer's line then follows on the same line.
     """
-    for _, event in _parse(text):
+    for _, event in _parse(text.splitlines()):
         if event is not None:
             yield event
 
@@ -332,11 +352,20 @@ def corrupt_lines(run_dir: Path) -> list[int]:
     which every reader skips (reported once, by the run's summary).
     """
     path = Path(run_dir) / EVENTS_FILE
-    return [n for n, event in _parse(path.read_text()) if event is None] if path.exists() else []
+    return [n for n, event in _parse(path.read_text().splitlines()) if event is None] if path.exists() else []
 
 
-def _parse(text: str) -> Iterator[tuple[int, Event | None]]:
-    for n, line in enumerate(text.splitlines(), start=1):
+_KIND_PREFIX = '{"event": "'  # how every line :class:`EventLog` writes begins (see :func:`to_record`)
+
+
+def _parse(lines: Iterable[str], wanted: frozenset[str] | None = None) -> Iterator[tuple[int, Event | None]]:
+    """Each line's number and event (None: not an event). Lines whose written kind is not
+    ``wanted`` are left out; a line that does not begin as written (torn, foreign) is parsed.
+    """
+    start = len(_KIND_PREFIX)
+    for n, line in enumerate(lines, start=1):
+        if wanted is not None and line.startswith(_KIND_PREFIX) and line[start : line.find('"', start)] not in wanted:
+            continue
         try:
             yield n, from_record(json.loads(line))
         except json.JSONDecodeError:
@@ -434,7 +463,68 @@ def fatal_error(events: Iterable[Event], job: str | None = None, *, since: float
     return found[-1] if found else None
 
 
-def recovery_layer(prior: list[Event], *, in_process_iteration: int, in_job_restart: int) -> str | None:
+@dataclass
+class RunHistory:
+    """What a starting rank needs of the events written before it, folded in one pass and without
+    keeping the events: a run of days writes millions of lines, and rank 0 reads them at every
+    (re)start, recoveries included (:func:`read_history`).
+    """
+
+    restarts: int = 0
+    """``restart`` events in the whole file."""
+    restarts_in_session: int = 0
+    """``restart`` events since the last ``run_start``."""
+    session_open: bool = False
+    """Whether the last ``run_start`` / ``run_end`` is a ``run_start``: a session that never ended."""
+    max_step: int | None = None
+    """The highest step of the incarnation that ran last: since the last ``run_start``, or since
+    the last ``restart``'s own incarnation began (its first step, written right before it)."""
+    last_step: int | None = None
+    """The step of the last ``step`` event."""
+    fault: FaultFired | None = None
+    """The last ``fault`` since the last ``restart`` or ``run_start`` (file order, no clock)."""
+    last_step_time: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Host -> the time of its last ``step`` event."""
+    last_step_time_before_fault: dict[str, float] = dataclasses.field(default_factory=dict)
+    """``last_step_time`` as it was when :attr:`fault` was written."""
+
+    KINDS: ClassVar[tuple[type[Event], ...]] = (Step, FaultFired, Restart, RunStart, RunEnd)
+    """The kinds that change a history: lines of other kinds need not be parsed."""
+
+    @classmethod
+    def of(cls, events: Iterable[Event]) -> RunHistory:
+        """The history of ``events``, in file order."""
+        history = cls()
+        for event in events:
+            history.add(event)
+        return history
+
+    def add(self, event: Event) -> None:
+        """Fold in the next event in file order."""
+        if isinstance(event, Step):
+            self.last_step = event.step
+            self.max_step = event.step if self.max_step is None else max(self.max_step, event.step)
+            self.last_step_time[event.host] = max(event.time, self.last_step_time.get(event.host, event.time))
+        elif isinstance(event, FaultFired):
+            self.fault, self.last_step_time_before_fault = event, dict(self.last_step_time)
+        elif isinstance(event, Restart | RunStart):
+            self.fault = None
+            if isinstance(event, Restart):
+                self.restarts += 1
+                self.restarts_in_session += 1
+                self.max_step = self.last_step  # steps before it were the failed incarnation's, counted by this restart
+            else:
+                self.restarts_in_session, self.session_open, self.max_step = 0, True, None
+        elif isinstance(event, RunEnd):
+            self.session_open = False
+
+
+def read_history(run_dir: Path) -> RunHistory:
+    """The :class:`RunHistory` of a run's ``events.jsonl``: only the lines of its kinds are parsed."""
+    return RunHistory.of(iter_events(run_dir, RunHistory.KINDS))
+
+
+def recovery_layer(history: RunHistory, *, in_process_iteration: int, in_job_restart: int) -> str | None:
     """Which layer brought this incarnation of the trainer back (None: a fresh or deliberate start).
 
     A replica restarted by its supervisor (a pod's ``restartPolicy``, the netns harness) runs a
@@ -445,14 +535,13 @@ def recovery_layer(prior: list[Event], *, in_process_iteration: int, in_job_rest
         return "in_process"
     if in_job_restart:
         return "in_job"
-    bounds = [e for e in prior if isinstance(e, RunStart | RunEnd)]
-    return "in_job" if bounds and isinstance(bounds[-1], RunStart) else None
+    return "in_job" if history.session_open else None
 
 
 def describe_restart(
-    prior: list[Event], *, layer: str, resumed_from: int, first_step: Step, marks: dict[str, float] | None = None, source: str = "durable"
+    history: RunHistory, *, layer: str, resumed_from: int, first_step: Step, marks: dict[str, float] | None = None, source: str = "durable"
 ) -> Restart:
-    """The ``restart`` event for a recovery, from the events written before it.
+    """The ``restart`` event for a recovery, from the history of the events written before it.
 
     ``recovery_s`` runs from the fault to ``first_step``, the first step completed after it, on
     one clock: from the ``fault`` event when the host that wrote it also wrote ``first_step``;
@@ -462,22 +551,18 @@ def describe_restart(
     become ``phases``, as seconds after the fault; marks before it (a process that outlived the
     fault) are left out. ``source``: the tier resumed from.
     """
-    # File order, not timestamps, says what happened since the last (re)start: no clock involved.
-    since = max((i for i, e in enumerate(prior) if isinstance(e, Restart | RunStart)), default=-1)
-    faults = [i for i, e in enumerate(prior) if i > since and isinstance(e, FaultFired)]
-    fault = prior[faults[-1]] if faults else None
+    fault = history.fault
     if fault is not None and fault.host == first_step.host:
         start = fault.time
     else:  # the last step this host completed before the fault (in file order: no other clock involved)
-        before = prior[: faults[-1]] if faults else prior
-        start = max((e.time for e in before if isinstance(e, Step) and e.host == first_step.host), default=first_step.time)
-    steps = select(prior, Step)
+        before = history.last_step_time_before_fault if fault is not None else history.last_step_time
+        start = before.get(first_step.host, first_step.time)
     return Restart(
         layer=layer,
-        attempt=1 + len(select(prior, Restart)),
+        attempt=1 + history.restarts,
         resumed_from_step=resumed_from,
         source=source,
-        lost_steps=max(0, max((e.step for e in steps), default=resumed_from) - resumed_from),
+        lost_steps=max(0, (resumed_from if history.max_step is None else history.max_step) - resumed_from),
         recovery_s=first_step.time - start,
         phases={**{k: t - start for k, t in (marks or {}).items() if t >= start}, "first_step": first_step.time - start},
     )

@@ -45,13 +45,14 @@ from trainer.events import (
     Fatal,
     Restart,
     RunEnd,
+    RunHistory,
     RunStart,
     Step,
     describe_restart,
     fatal_error,
     read_events,
+    read_history,
     recovery_layer,
-    select,
 )
 from trainer.faults import FaultInjector
 from trainer.process import die_with_parent, process_start_time
@@ -253,10 +254,9 @@ class ProgressLines:
     show it: a line every ``every`` steps, at the last one, and one for each restart as it happens.
     """
 
-    def __init__(self, every: int, last: int, prior: list) -> None:
+    def __init__(self, every: int, last: int, restarts: int) -> None:
         self.every, self.last = every, last
-        bounds = [i for i, e in enumerate(prior) if isinstance(e, RunStart)]  # restarts of this run so far
-        self.restarts = len(select(prior[bounds[-1] if bounds else 0 :], Restart))
+        self.restarts = restarts  # of this session so far
 
     def show(self, done: Step, restart: Restart | None) -> None:
         """Print what ``done`` (and the ``restart`` it completed, if any) calls for."""
@@ -334,8 +334,8 @@ def _train(
     marks["process_group"] = time.time()
     run_dir = Path(cfg.run_dir)
     events = EventLog(run_dir, rt.rank)
-    prior = read_events(run_dir) if rt.rank == 0 else []
-    layer = recovery_layer(prior, in_process_iteration=attempt.in_process_iteration, in_job_restart=attempt.in_job_restart)
+    history = read_history(run_dir) if rt.rank == 0 else RunHistory()
+    layer = recovery_layer(history, in_process_iteration=attempt.in_process_iteration, in_job_restart=attempt.in_job_restart)
 
     monitor = RankMonitor()
     marks["rank_monitor"] = time.time()
@@ -380,7 +380,7 @@ def _train(
 
     last = cfg.stop_at_step or cfg.steps
     tokens_per_step = cfg.batch_size * cfg.size.seq_len * rt.world_size
-    progress = ProgressLines(cfg.log_every, last, prior)
+    progress = ProgressLines(cfg.log_every, last, history.restarts_in_session)
     # A fault anywhere below ends this incarnation; what it was saving is never published (the
     # writer abandons it when the next incarnation's group arrives) and that one resumes from the
     # newest complete state (:func:`resume`).
@@ -394,7 +394,7 @@ def _train(
         if rt.rank == 0:
             done = events.emit(Step(step=step, loss=loss, step_time_s=step_time, tokens=tokens_per_step))
             restart = (
-                events.emit(describe_restart(prior, layer=layer, resumed_from=start, first_step=done, marks=marks, source=source))
+                events.emit(describe_restart(history, layer=layer, resumed_from=start, first_step=done, marks=marks, source=source))
                 if layer and step == start + 1
                 else None
             )
@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None, *, startup: dict[str, float] | None = No
     launcher_started = launcher_started or process_start_time(os.getppid())
     startup = {"launcher_started": launcher_started} | (startup or {"process_started": process_start_time(), "imports_done": IMPORTED_AT})
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    if restarted and (fatal := fatal_error(read_events(Path(cfg.run_dir)), _job_id(), since=launcher_started)):
+    if restarted and (fatal := fatal_error(read_events(Path(cfg.run_dir), [Fatal]), _job_id(), since=launcher_started)):
         print(f"rank {os.environ.get('RANK')}: not restarting, the job met an error no restart can fix: {fatal.error}", file=sys.stderr)
         sys.exit(FATAL_EXIT_CODE)
     cuda = torch.cuda.is_available()
