@@ -13,7 +13,9 @@ Every method writes with fsync, so "durable" means the same for all of them. Rou
 warm-up (reported separately). For the two methods that run the trainer's ``Checkpointer``, the
 time of each phase of a save comes from the ``checkpoint`` events it writes (rank 0's, as in a
 production run): the stall is ``wait`` + ``collect`` + ``rank_state`` + ``stage`` + ``plan`` +
-``handoff`` (async) or ``write`` (sync), then ``background``, ``agree`` and ``publish`` until durable;
+``handoff`` + ``copy_wait`` (async: the next optimizer step's wait for the ``copy`` into the staging
+buffers, which overlaps that step's forward and backward) or ``write`` (sync), then ``background``,
+``agree`` and ``publish`` until durable;
 the first save also shows ``prepare``, the writer's warm-up after the first training step (staging
 buffers and DCP's plan, cached from then on), which is neither in its stall nor in its time to durable.
 """
@@ -77,8 +79,18 @@ class _CheckpointerMethod:
             root, writer=writer, group=group, events=EventLog(root, dist.get_rank()),
             every=1 << 30, keep_last=1, fingerprint="bench",
         )  # fmt: skip
+        self.waited_after_save = 0.0
+        """The next optimizer step's wait for the last save's background copy: stall (``copy_wait``)."""
+        state.optimizer.register_step_pre_hook(lambda *_: self._before_update())  # as the trainer does
+
+    def _before_update(self) -> None:
+        pending = self.ckpt.pending
+        self.ckpt.before_update()
+        if pending is not None:
+            self.waited_after_save += pending.copied.get("copy_wait", 0.0)
 
     def save(self, step: int) -> None:
+        self.waited_after_save = 0.0
         self.ckpt.save(step, partial(self.state.snapshot, step))
 
     def done(self, step: int) -> bool:
@@ -229,6 +241,9 @@ def worker(args: argparse.Namespace) -> None:
         durable = time.perf_counter() - t0
         if not done:
             raise RuntimeError(f"{name}: not durable after {MAX_INFLIGHT_STEPS} steps")
+        if isinstance(method, _CheckpointerMethod) and method.waited_after_save:  # the first step's wait for the copy: stall, not step
+            stall += method.waited_after_save
+            inflight[0] -= method.waited_after_save
         method.cleanup()
         dist.barrier(group=harness)
         records.append(

@@ -73,9 +73,10 @@ def test_quick_benchmark_writes_json(name: str, tmp_path: Path) -> None:
             assert bench["methods"][m]["inflight_steps"] >= 1 and _finite(bench["methods"][m]["slowdown"])
         # the phases of the trainer's own saves, from its checkpoint events: they add up to the stall
         ours = bench["methods"]["nvrx_async"]
-        assert list(ours["phases"]) == ["wait", "collect", "rank_state", "stage", "plan", "handoff", "background", "agree", "publish"]
+        timeline = ["wait", "collect", "rank_state", "stage", "plan", "handoff", "copy", "copy_wait", "background", "agree", "publish"]
+        assert list(ours["phases"]) == timeline  # copy: beside the next step, which waits for it before its update (copy_wait)
         assert next(iter(ours["warmup_phases"])) == "prepare"  # the writer's warm-up, after the first step
-        stalled = sum(ours["warmup_phases"][k] for k in ("wait", "collect", "rank_state", "stage", "plan", "handoff"))
+        stalled = sum(ours["warmup_phases"][k] for k in ("wait", "collect", "rank_state", "stage", "plan", "handoff", "copy_wait"))
         assert stalled == pytest.approx(ours["warmup_stall_s"], rel=0.5)  # the bench's stall is the slowest rank's
         assert "write" in bench["methods"]["dcp_save"]["phases"] and "phases" not in bench["methods"]["torch_save"]
     elif name == "recovery":

@@ -76,6 +76,9 @@ class FakeWriter:
         self.started[group] = hooks
         hooks.on_phase("write")
 
+    def wait_copied(self) -> None:
+        """Nothing copied in the background: the state is written in :meth:`start`."""
+
     def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:
         self.prepared.append(state_dict)
 
@@ -234,6 +237,60 @@ def test_a_prepared_async_writer_saves_first_with_the_cached_plan(one_rank: None
         assert not list((tmp_path / "checkpoints").glob("prepare*")), "the plan-only scratch dir was left"
     finally:
         writer.close()
+
+
+def test_an_async_save_copies_the_state_beside_the_next_step_and_writes_it_as_it_was(one_rank: None, tmp_path: Path) -> None:
+    """The copy into the staging buffers runs on a thread of its own once the save returns (the
+    next step's forward and backward only read the state); ``before_update`` waits for it before
+    the optimizer changes the state, and that wait counts in the save's stall. The checkpoint holds
+    the state as it was at the save, and its event shows the copy and the wait after ``handoff``."""
+    from trainer.rank.resilience import AsyncCheckpointWriter, _BackgroundCopy
+
+    writer = AsyncCheckpointWriter(cuda=False)
+    try:
+        live = {"w": torch.arange(1 << 22, dtype=torch.float32), "b": torch.ones(8)}
+        hyper = {"lr": 0.25}
+        ckpt = checkpointer(tmp_path, writer, every=2)
+        for step in (1, 2):  # 1 prepares the writer, 2 saves
+            ckpt.step(step, lambda step=step: ({"model": live, "optim": dict(hyper)}, {"step": step}), last=False)
+        assert isinstance(writer._current.copy, _BackgroundCopy)
+        expected = {name: t.clone() for name, t in live.items()}
+        ckpt.before_update()
+        assert writer._current.copy is None
+        for t in live.values():  # the optimizer's update
+            t.add_(1)
+        hyper["lr"] = 0.5
+        ckpt.finish()
+        loaded = {"model": {name: torch.zeros_like(t) for name, t in live.items()}, "optim": {"lr": 0.0}}
+        dcp.load(loaded, checkpoint_id=latest_checkpoint(tmp_path))
+        assert all(torch.equal(loaded["model"][name], t) for name, t in expected.items())
+        assert loaded["optim"]["lr"] == 0.25
+        (event,) = select(read_events(tmp_path), Checkpoint)
+        names = list(event.phases)
+        assert names[names.index("handoff") :][:3] == ["handoff", "copy", "copy_wait"] and names[-1] == "publish"
+        stall = sum(event.phases[n] for n in names[: names.index("handoff") + 1] if n != "prepare") + event.phases["copy_wait"]
+        assert event.blocking_s == pytest.approx(stall)
+        ckpt.before_update()  # nothing in flight: nothing to wait for
+    finally:
+        writer.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_copy_to_staging_that_fails_fails_the_write_it_was_for() -> None:
+    """The worker writes only after the copy it waits for has ended well: a copy that raises
+    (here, a buffer of the wrong shape) makes that write fail, and a later copy is waited for anew."""
+    from trainer.rank.resilience import _BackgroundCopy, _wait_for_copy
+
+    copied = torch.zeros(2, dtype=torch.int64)
+    buffer = torch.zeros(4)
+    _BackgroundCopy([(buffer, torch.ones(4))], copied, 1).wait()
+    _wait_for_copy(copied, 1)
+    assert torch.equal(buffer, torch.ones(4))
+    _BackgroundCopy([(torch.zeros(4), torch.ones(5))], copied, 2).wait()
+    with pytest.raises(RuntimeError, match="staging buffers failed"):
+        _wait_for_copy(copied, 2)
+    _BackgroundCopy([(buffer, torch.full((4,), 2.0))], copied, 3).wait()
+    _wait_for_copy(copied, 3)
 
 
 def test_the_async_writer_reports_progress_while_it_makes_its_buffers(one_rank: None, tmp_path: Path) -> None:

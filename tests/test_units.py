@@ -356,7 +356,7 @@ def test_errors_no_restart_can_fix_are_found_in_the_chain(tmp_path: Path) -> Non
 
     # A background write that meets a full disk reports its errno; the training process gets an OSError back.
     done = torch.zeros(1, dtype=torch.int64)
-    _write_shard(done, 7, write_to_full_disk, str(tmp_path), 0, [])
+    _write_shard(done, 7, None, 0, write_to_full_disk, str(tmp_path), 0, [])  # (no copy to wait for)
     assert int(done[0]) == 7
     with pytest.raises(OSError) as caught:
         _read_outcome(tmp_path, 0)

@@ -22,7 +22,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
 from typing import Protocol
@@ -133,7 +133,14 @@ class CheckpointWriter(Protocol):
 
     def start(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:
         """Begin writing ``state_dict`` (DCP layout) into ``directory``; returns when the
-        training loop may continue. Call it only after :meth:`poll` returned True.
+        training loop may continue, which must call :meth:`wait_copied` before it changes the
+        state. Call it only after :meth:`poll` returned True.
+        """
+
+    def wait_copied(self) -> tuple[float, float] | None:
+        """Return once the state :meth:`start` was given may change (a writer may still be
+        copying it in the background): (seconds that copy took, seconds waited here), or None
+        if nothing was being copied.
         """
 
     def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:
@@ -196,6 +203,9 @@ class SyncDcpWriter:
         dcp.save(state_dict, storage_writer=storage, process_group=group)
         write_rank_checksums(directory, dist.get_rank(), progress=hooks.alive)
 
+    def wait_copied(self) -> None:
+        """Nothing: the state was written before :meth:`start` returned."""
+
     def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:
         """Nothing: a synchronous save plans and writes in the loop every time alike."""
 
@@ -217,13 +227,21 @@ class _Pending:
     """(phase, perf_counter when it ended), in order: the save's timeline."""
     prepare_s: float | None = None
     """The writer's warm-up before this save (the incarnation's first), done earlier: not its stall."""
+    copied: dict[str, float] = field(default_factory=dict)
+    """``copy`` (the background copy into staging buffers) and ``copy_wait`` (the training
+    loop's wait for it before the next update: stall), once waited for."""
 
     def mark(self, phase: str) -> None:
         self.marks.append((phase, time.perf_counter()))
 
     def phases(self) -> dict[str, float]:
-        """Seconds each phase took, in order."""
-        return {name: t - before for (_, before), (name, t) in zip(self.marks, self.marks[1:], strict=False)}
+        """Seconds each phase took, in order (the copy's, which overlaps the next step, after ``handoff``)."""
+        timeline = {name: t - before for (_, before), (name, t) in zip(self.marks, self.marks[1:], strict=False)}
+        if not self.copied:
+            return timeline
+        names = list(timeline)
+        cut = names.index("handoff") + 1 if "handoff" in names else len(names)
+        return {n: timeline[n] for n in names[:cut]} | self.copied | {n: timeline[n] for n in names[cut:]}
 
 
 class Checkpointer:
@@ -402,6 +420,17 @@ class Checkpointer:
         """Block until the in-flight save (if any) is published."""
         self._poll(blocking=True)
 
+    def before_update(self) -> None:
+        """Call before anything changes the training state (the optimizer's step): waits until
+        the save just started has copied it, which an async save does while the next step's
+        forward and backward run. The wait counts in that save's stall.
+        """
+        copied = self.writer.wait_copied()
+        if copied is not None and self.pending is not None:
+            copy_s, waited = copied
+            self.pending.copied = {"copy": copy_s, "copy_wait": waited}
+            self.pending.blocking_s += waited
+
     def _meet(self) -> None:
         # On the checkpoint group, whose timeout allows for uneven work (a save's collectives in
         # the loop have a training collective's): a barrier polled so this rank keeps reporting.
@@ -417,6 +446,8 @@ class Checkpointer:
         pending = self.pending
         if pending is None and not blocking:
             return
+        if blocking:
+            self.before_update()  # the write waits for the copy; the loop's wait is the save's too
         try:
             # A blocking wait is a loop of non-blocking polls (collectives that end on the same
             # iteration everywhere) so the rank keeps its heartbeat while the write finishes.

@@ -42,7 +42,8 @@ from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager impor
 from nvidia_resiliency_ext.checkpointing.local.replication.group_utils import GroupWrapper
 from nvidia_resiliency_ext.checkpointing.local.replication.strategies import CliqueReplicationStrategy
 from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed._state_dict_utils import _create_cpu_state_dict
+from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint import CheckpointWriteError, SaveHooks, write_rank_checksums
 from trainer.errors import NonTransientError, non_transient_cause
@@ -67,12 +68,16 @@ PORT_BASE_ENV = "RFSDP_PORT_BASE"
 #   creating it with a multiprocessing Manager (a spawned server process: seconds, on the path of
 #   every in-job restart, or in the first save's stall). The worker here reports into a queue of
 #   its own (``_write_shard``) and NVRx's is never read, so a placeholder is put there instead.
-# torch internals (2.13): ``_create_cpu_state_dict`` / ``_copy_state_dict`` stage the state into
-# reused shared-memory buffers, as ``dcp.async_save`` does.
+# torch internals (2.13): ``_create_cpu_state_dict`` makes the reused shared-memory staging
+# buffers, as ``dcp.async_save`` does.
 
 
-def _write_shard(done: torch.Tensor, request_id: int, save_fn: Callable | None, directory: str, rank: int, write_buckets: list) -> None:
-    """Runs in the background worker: write this rank's shard and checksums, leave the outcome
+def _write_shard(
+    done: torch.Tensor, request_id: int, copied: torch.Tensor | None, copy_number: int,
+    save_fn: Callable | None, directory: str, rank: int, write_buckets: list,
+) -> None:  # fmt: skip
+    """Runs in the background worker: once the state is in the staging buffers (``copied``
+    reaches ``copy_number``; CPU only), write this rank's shard and checksums, leave the outcome
     in ``directory``, then mark the request done (always: a failure is an outcome too).
 
     ``rank`` and ``write_buckets`` come last and in this order: NVRx's worker replaces the second
@@ -80,6 +85,8 @@ def _write_shard(done: torch.Tensor, request_id: int, save_fn: Callable | None, 
     """
     try:
         outcome = {}
+        if copied is not None:
+            _wait_for_copy(copied, copy_number)
         if save_fn is not None:
             results: queue.SimpleQueue = queue.SimpleQueue()
             save_fn(rank, write_buckets, results)
@@ -94,6 +101,70 @@ def _write_shard(done: torch.Tensor, request_id: int, save_fn: Callable | None, 
     with contextlib.suppress(OSError):  # the directory of an abandoned write may be gone already
         (Path(directory) / _outcome_name(rank)).write_bytes(pickle.dumps(record))
     done[0] = request_id
+
+
+def _wait_for_copy(copied: torch.Tensor, number: int) -> None:
+    """In the worker: wait until the rank's copy ``number`` into the staging buffers has ended
+    (``copied``: the last copy that succeeded, the last that failed); raise if it failed.
+    """
+    while max(int(copied[0]), int(copied[1])) < number:
+        time.sleep(0.001)
+    if int(copied[1]) == number:
+        raise RuntimeError("copying the state into the staging buffers failed (the rank's log has the error)")
+
+
+class _BackgroundCopy:
+    """Copies the live tensors of a save into the staging buffers on a thread of its own, so the
+    copy overlaps the next step's forward and backward, which only read them; the optimizer's
+    step, which changes them, waits for it first (:meth:`wait`). It always ends by recording its
+    number in ``copied`` (slot 0 if it succeeded, 1 if not), which the worker waits on.
+    """
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], copied: torch.Tensor, number: int) -> None:
+        self.seconds: float | None = None
+        """How long the copy took (set when it ends)."""
+        self._thread = threading.Thread(target=self._run, args=(pairs, copied, number), name="checkpoint-copy", daemon=True)
+        self._thread.start()
+
+    def _run(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], copied: torch.Tensor, number: int) -> None:
+        started, ok = time.perf_counter(), False
+        try:
+            with torch.no_grad():  # grad mode is per thread: a copy from a parameter would be recorded
+                for buffer, live in pairs:
+                    buffer.copy_(live)
+            ok = True
+        finally:
+            self.seconds = time.perf_counter() - started
+            copied[0 if ok else 1] = number
+
+    def wait(self) -> float:
+        """Return once the copy has ended; returns the seconds waited."""
+        started = time.perf_counter()
+        while self._thread.is_alive():
+            self._thread.join(0.005)  # short joins: in-process restart's exception reaches this thread between them
+        return time.perf_counter() - started
+
+
+def _staged_view(live: object, staging: object, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> object:
+    """``live``'s structure with each tensor replaced by its staging buffer, and each other value
+    (a learning rate, a step count) as it is now; each (buffer, live tensor) pair to copy is
+    appended to ``pairs`` (DTensors as their local shards).
+    """
+    if isinstance(live, dict):
+        if live.keys() != staging.keys():
+            raise RuntimeError(f"the state's structure changed since its staging buffers were made: {sorted(live)} vs {sorted(staging)}")
+        return {key: _staged_view(value, staging[key], pairs) for key, value in live.items()}
+    if isinstance(live, list | tuple):
+        return type(live)(_staged_view(value, buffer, pairs) for value, buffer in zip(live, staging, strict=True))
+    if isinstance(live, torch.Tensor):
+        pairs.append((_local_tensor(staging), _local_tensor(live)))
+        return staging
+    return live
+
+
+def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():  # the shard itself, not a view that autograd tracks
+        return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
 
 
 def _worker_main(rank_pid: int, *loop_args: object) -> None:
@@ -182,6 +253,8 @@ class _Incarnation:
     # is unchanged, which skips the planning collective. Every rank decides reuse from its own
     # plan, so the cache must start empty on every rank at once: a new incarnation, a new cache.
     plans: CheckpointMetadataCache = field(default_factory=CheckpointMetadataCache)
+    copy: _BackgroundCopy | None = None
+    """The last save's copy into the staging buffers, until the training loop has waited for it."""
     met: bool = False
     """Whether the ranks have met since their buffers were made (:meth:`AsyncCheckpointWriter._meet_once`)."""
 
@@ -199,8 +272,9 @@ class AsyncCheckpointWriter:
     save starts only once every rank's worker is idle (:meth:`poll`).
 
     CPU: the state is copied into reused shared-memory buffers (the worker never sees live
-    tensors, which later optimizer steps would change). CUDA: NVRx's device-to-host preload.
-    Completion is agreed over the checkpoint's gloo group on both.
+    tensors, which later optimizer steps would change), in the background while the next step
+    computes (:class:`_BackgroundCopy`; the optimizer's step waits for it, :meth:`wait_copied`).
+    CUDA: NVRx's device-to-host preload. Completion is agreed over the checkpoint's gloo group on both.
     """
 
     mode = "async"
@@ -209,6 +283,8 @@ class AsyncCheckpointWriter:
         self.cuda = cuda
         self._done = torch.zeros(1, dtype=torch.int64).share_memory_()  # last request the worker finished
         self._sent = 0  # last request handed to the worker
+        self._copied = torch.zeros(2, dtype=torch.int64).share_memory_()  # last copy to staging that ended well, badly
+        self._copies = 0  # copies to staging started
         self._caller: PersistentAsyncCaller | None = None
         self._current: _Incarnation | None = None
         if filesystem_async._results_queue is None:
@@ -222,12 +298,18 @@ class AsyncCheckpointWriter:
             self._ensure_worker()
 
     def start(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:
-        """Stage, plan (collective) and hand the write to the background worker. Call it only
-        after :meth:`poll` returned True.
+        """Start the copy into the staging buffers, plan (collective) and hand the write to the
+        background worker, which waits for the copy. Call it only after :meth:`poll` returned
+        True, and :meth:`wait_copied` before the state changes.
         """
         current = self._incarnation(group)
+        self._ensure_worker()  # a worker forked later would fork the copy's thread mid-copy
+        copy = None
         if not self.cuda:
-            state_dict = _copy_state_dict(state_dict, self._staging(current, state_dict, hooks.alive))
+            pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+            state_dict = _staged_view(state_dict, self._staging(current, state_dict, hooks.alive), pairs)
+            self._copies += 1
+            copy = current.copy = _BackgroundCopy(pairs, self._copied, self._copies)
         self._meet_once(current, hooks)
         hooks.on_phase("stage")
         fs_writer = FileSystemWriterAsync(directory, thread_count=1)
@@ -237,7 +319,8 @@ class AsyncCheckpointWriter:
         hooks.on_phase("plan")
         save_fn, preload_fn, save_args = fs_writer.get_save_function_and_args()
         buckets = save_args[1] if save_fn is not None else []
-        task = partial(_write_shard, self._done, self._sent + 1, save_fn, str(directory))
+        copied = None if copy is None else self._copied  # CUDA: NVRx's preload copies before the write
+        task = partial(_write_shard, self._done, self._sent + 1, copied, self._copies, save_fn, str(directory))
         with hooks.atomic():  # a request is sent and recorded whole, or not at all
             self._send(task, (dist.get_rank(), buckets), preload_fn if self.cuda else None)  # NVRx's preload calls CUDA
             self._sent += 1
@@ -274,6 +357,18 @@ class AsyncCheckpointWriter:
             _agree_and_finalize(started, group)
         return True
 
+    def wait_copied(self) -> tuple[float, float] | None:
+        """Return once the last save's copy into the staging buffers has ended: (seconds the copy
+        took, seconds waited here), or None if there was none to wait for.
+        """
+        current = self._current
+        copy = current.copy if current is not None else None
+        if copy is None:
+            return None
+        waited = copy.wait()
+        current.copy = None
+        return copy.seconds, waited
+
     def close(self) -> None:
         """Stop the background worker once it has finished what it was given."""
         caller, self._caller = self._caller, None
@@ -304,6 +399,8 @@ class AsyncCheckpointWriter:
 
     def _incarnation(self, group: dist.ProcessGroup) -> _Incarnation:
         if self._current is None or self._current.group is not group:
+            if self._current is not None and self._current.copy is not None:
+                self._current.copy.wait()  # milliseconds; then no copy of an earlier incarnation ends after a new one
             self._current = _Incarnation(group)
         return self._current
 
