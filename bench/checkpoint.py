@@ -84,10 +84,7 @@ class _CheckpointerMethod:
         state.optimizer.register_step_pre_hook(lambda *_: self._before_update())  # as the trainer does
 
     def _before_update(self) -> None:
-        pending = self.ckpt.pending
-        self.ckpt.before_update()
-        if pending is not None:
-            self.waited_after_save += pending.copied.get("copy_wait", 0.0)
+        self.waited_after_save += self.ckpt.before_update()
 
     def save(self, step: int) -> None:
         self.waited_after_save = 0.0

@@ -420,16 +420,19 @@ class Checkpointer:
         """Block until the in-flight save (if any) is published."""
         self._poll(blocking=True)
 
-    def before_update(self) -> None:
+    def before_update(self) -> float:
         """Call before anything changes the training state (the optimizer's step): waits until
         the save just started has copied it, which an async save does while the next step's
-        forward and backward run. The wait counts in that save's stall.
+        forward and backward run. The wait counts in that save's stall; returns it (seconds).
         """
         copied = self.writer.wait_copied()
-        if copied is not None and self.pending is not None:
-            copy_s, waited = copied
+        if copied is None:
+            return 0.0
+        copy_s, waited = copied
+        if self.pending is not None:
             self.pending.copied = {"copy": copy_s, "copy_wait": waited}
             self.pending.blocking_s += waited
+        return waited
 
     def _meet(self) -> None:
         # On the checkpoint group, whose timeout allows for uneven work (a save's collectives in
@@ -446,8 +449,6 @@ class Checkpointer:
         pending = self.pending
         if pending is None and not blocking:
             return
-        if blocking:
-            self.before_update()  # the write waits for the copy; the loop's wait is the save's too
         try:
             # A blocking wait is a loop of non-blocking polls (collectives that end on the same
             # iteration everywhere) so the rank keeps its heartbeat while the write finishes.
@@ -463,6 +464,7 @@ class Checkpointer:
             return
         if pending is None:
             return
+        self.before_update()  # no wait: the write waited for its copy; recorded also where no update came between
         self.pending = None
         dist.barrier(group=self.save_group)  # every rank's checksums and rank 0's .metadata are on disk
         pending.mark("agree")

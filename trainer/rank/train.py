@@ -370,8 +370,12 @@ def _train(
         keep_last=cfg.keep_last, fingerprint=cfg.trajectory_hash(), heartbeat=alive_within_work,
         on_published=mirror.submit if mirror else None, on_phase=faults.maybe_fire, atomic=attempt.atomic,
     )  # fmt: skip
+
+    def before_update(*_: object) -> None:  # (a step pre-hook returns None)
+        checkpointer.before_update()
+
     # An async save copies the state while the next step's forward and backward run: its update waits for the copy.
-    optimizer.register_step_pre_hook(lambda *_: checkpointer.before_update())
+    optimizer.register_step_pre_hook(before_update)
     if mirror is not None and not published_checkpoints(checkpointer.root):  # a fresh machine: resume from the mirror
         mirror.restore(fingerprint=cfg.trajectory_hash(), world_size=rt.world_size)
     start, source = resume(checkpointer, local, state)
