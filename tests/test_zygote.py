@@ -86,6 +86,14 @@ def forked_ranks(zygote: int) -> list[int]:
     return [p.pid for p in ours() if p.ppid == zygote]
 
 
+def session_leaders(pids: list[int], count: int) -> list[int] | None:
+    """``pids`` if there are ``count`` of them and each leads its own session, else None."""
+    try:
+        return pids if len(pids) == count and all(os.getsid(p) == p for p in pids) else None
+    except ProcessLookupError:  # one ended meanwhile
+        return None
+
+
 def worker(program: str, rank: int) -> int | None:
     """The live process started as ``python -m PROGRAM`` for ``rank`` (exec'd: its environment is
     its own), not a fork of it (the checkpoint writer's worker).
@@ -111,8 +119,8 @@ def test_restarts_are_served_by_the_zygote_which_ends_with_the_run(data_dir: Pat
         wait_for("a step", lambda: select(read_events(run), Step))  # the restart's timeline starts there
         os.kill(first, signal.SIGKILL)  # an OOM kill
 
-        ranks = wait_for("two forked ranks", lambda: len(r := forked_ranks(zygote)) == 2 and r)
-        assert all(os.getsid(r) == r for r in ranks)  # each leads its own session, as a worker does
+        # Each leads its own session, as a worker does (a fork is seen before it calls setsid).
+        ranks = wait_for("two forked ranks, each leading a session", lambda: session_leaders(forked_ranks(zygote), 2))
         wait_for("the restart event", lambda: select(read_events(run), Restart))
         (restart,) = select(read_events(run), Restart)
         assert "forked" in restart.phases and "imports_done" not in restart.phases  # rank 0 imported nothing
@@ -121,7 +129,7 @@ def test_restarts_are_served_by_the_zygote_which_ends_with_the_run(data_dir: Pat
         os.killpg(client, signal.SIGKILL)  # as the launcher stops a worker
         wait_for("the killed client's ranks to end", lambda: not any(alive(r) for r in ranks), timeout=30)
         wait_for("the second restart", lambda: len(select(read_events(run), Restart)) == 2)
-        assert len(wait_for("the next forked ranks", lambda: len(r := forked_ranks(zygote)) == 2 and r)) == 2
+        wait_for("the next forked ranks", lambda: session_leaders(forked_ranks(zygote), 2))
 
         proc.send_signal(signal.SIGTERM)  # preemption: launcher -> clients -> forked ranks
         out, _ = proc.communicate(timeout=120)

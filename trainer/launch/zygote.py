@@ -156,8 +156,11 @@ def serve(address: str, agent_pid: int) -> Request | None:
                 if (accepted := _accept(listener)) is None:
                     continue
                 conn, request = accepted
+                detached_r, detached_w = os.pipe()
                 pid = os.fork()
                 if pid == 0:
+                    os.close(detached_r)
+                    _detach(detached_w)
                     lock.close()  # the rank holds nothing of the zygote's
                     listener.close()
                     conn.close()
@@ -167,6 +170,9 @@ def serve(address: str, agent_pid: int) -> Request | None:
                         if r.conn is not None:
                             r.conn.close()
                     return request
+                os.close(detached_w)
+                os.read(detached_r, 1)  # until the rank leads its group: killpg below must reach it
+                os.close(detached_r)
                 for fd in request.fds:
                     os.close(fd)
                 pidfd = os.pidfd_open(pid)
@@ -190,11 +196,20 @@ def serve(address: str, agent_pid: int) -> Request | None:
     return None
 
 
-def run_rank(request: Request, agent_pid: int) -> None:
-    """In the forked rank: become the client's process and run the trainer's main."""
-    forked = time.time()
+def _detach(done_fd: int) -> None:
+    """In a new fork, before anything else: lead a new session and die with the zygote, then
+    tell the zygote (which waits on ``done_fd``: until then its pid names no process group, and a
+    zygote gone before the prctl would leave the rank orphaned).
+    """
     os.setsid()
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    os.write(done_fd, b"1")
+    os.close(done_fd)
+
+
+def run_rank(request: Request, agent_pid: int) -> None:
+    """In the forked rank (detached already): become the client's process and run the trainer's main."""
+    forked = time.time()
     for target, fd in enumerate(request.fds):
         os.dup2(fd, target)
         os.close(fd)
