@@ -208,5 +208,5 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowSe
 def faulty_run(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 30-step run with an in-process (exception) and an in-job (SIGKILL) recovery."""
     run = tmp_path_factory.mktemp("faulty") / "async-faults"
-    train(data_dir, run, "--steps", "30", "--fault", "exception@12:1,sigkill@22:0", "--hang-timeout", "6")
+    train(data_dir, run, "--steps", "30", "--fault", "exception@12:1,sigkill@22:0")
     return run

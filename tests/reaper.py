@@ -21,12 +21,13 @@ import pytest
 TAG_ENV = "RFSDP_TEST_PROCESS_TAG"
 
 
-def tagged_processes(tag: str) -> tuple[list[int], list[int]]:
+def tagged_processes(tag: str, pending: frozenset[int] = frozenset()) -> tuple[list[int], list[int]]:
     """Live processes whose environment carries ``tag``, and those that may be about to.
 
-    The second list holds children of this process or of a tagged one whose environment reads
-    empty: a process in the middle of ``exec`` (which ``Popen`` has already returned from) shows
-    no environment for a moment, so one scan can miss it.
+    The second list holds processes whose environment reads empty and that are children of this
+    process or of a tagged one, or were pending in an earlier scan (``pending``: their parent may
+    have been killed since): a process in the middle of ``exec`` (which ``Popen`` has already
+    returned from) shows no environment for a moment, so one scan can miss it.
     """
     needle = f"{TAG_ENV}={tag}".encode()
     found, blank = [], []
@@ -44,7 +45,7 @@ def tagged_processes(tag: str) -> tuple[list[int], list[int]]:
             found.append(pid)
         elif not environ:
             blank.append(pid)
-    return found, [pid for pid in blank if parent(pid) in {os.getpid(), *found}]
+    return found, [pid for pid in blank if pid in pending or parent(pid) in {os.getpid(), *found}]
 
 
 def parent(pid: int) -> int | None:
@@ -72,8 +73,9 @@ def alive(pid: int) -> bool:
 def kill_tagged(tag: str, *, rounds: int = 20) -> list[int]:
     """SIGKILL every process carrying ``tag`` (again, while some fork as they die); returns them."""
     killed: list[int] = []
+    exec_pending: list[int] = []
     for _ in range(rounds):
-        pids, exec_pending = tagged_processes(tag)
+        pids, exec_pending = tagged_processes(tag, frozenset(exec_pending))
         if not pids and not exec_pending:
             break
         for pid in pids:

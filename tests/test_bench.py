@@ -77,7 +77,8 @@ def test_quick_benchmark_writes_json(name: str, tmp_path: Path) -> None:
         assert list(ours["phases"]) == timeline  # copy: beside the next step, which waits for it before its update (copy_wait)
         assert next(iter(ours["warmup_phases"])) == "prepare"  # the writer's warm-up, after the first step
         stalled = sum(ours["warmup_phases"][k] for k in ("wait", "collect", "rank_state", "stage", "plan", "handoff", "copy_wait"))
-        assert stalled == pytest.approx(ours["warmup_stall_s"], rel=0.5)  # the bench's stall is the slowest rank's
+        # Rank 0's phases lie within its stall, and the bench's stall is the slowest rank's.
+        assert 0 < stalled <= ours["warmup_stall_s"] + 1e-3
         assert "write" in bench["methods"]["dcp_save"]["phases"] and "phases" not in bench["methods"]["torch_save"]
     elif name == "recovery":
         for method, per_fault in bench["methods"].items():

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -94,7 +95,9 @@ class _Recorder:
         self.calls.append(("link", node, up))
 
 
-def test_node_faults_fire_once_at_their_step(tmp_path: Path) -> None:
+def test_node_faults_fire_once_at_their_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [100.0]  # the injector's monotonic clock, moved by hand: a loaded machine cannot heal the link early
+    monkeypatch.setattr("trainer.faults.time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     faults = parse_fault_spec("node-loss@3:1,partition@5:0:0.2", steps=10, world_size=2, nnodes=2)
     control = _Recorder()
     injector = NodeFaultInjector(faults, tmp_path, control)
@@ -103,9 +106,10 @@ def test_node_faults_fire_once_at_their_step(tmp_path: Path) -> None:
     injector.observe(2)  # step 2 done: the run reaches step 3
     assert control.calls == [("kill", 1)]
     injector.observe(4)
+    clock[0] += 0.19
     injector.tick()
     assert control.calls[-1] == ("link", 0, False)
-    time.sleep(0.25)
+    clock[0] += 0.02
     injector.tick()
     assert control.calls[-1] == ("link", 0, True)
     fired = [(e.kind, e.step, e.node, e.rank) for e in read_events(tmp_path) if isinstance(e, FaultFired)]

@@ -111,7 +111,7 @@ def test_restarts_are_served_by_the_zygote_which_ends_with_the_run(data_dir: Pat
     neither the zygote nor its socket is left.
     """
     run = tmp_path / "run"
-    proc = start_train(data_dir, run, "--steps", "400", "--ckpt-every", "5")
+    proc = start_train(data_dir, run, "--steps", "100000", "--ckpt-every", "5")  # ended by the SIGTERM below
     try:
         ((zygote, (address, _)),) = wait_for("one zygote, listening", one_listening_zygote)
         assert listening(lock_address(address))
