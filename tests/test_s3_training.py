@@ -104,8 +104,9 @@ class OutageProxy:
         return True
 
     def _restart(self) -> None:
-        self.server = self._start_server()
-        self.restarted_at = time.time()
+        server = self._start_server()
+        self.restarted_at = time.time()  # before the proxy forwards again: no upload can end before it
+        self.server = server
 
     def close(self) -> None:
         self.listener.close()
