@@ -8,6 +8,7 @@ import contextlib
 import datetime
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata
 
 from tests.conftest import ROOT
 from trainer.checkpoint import (
@@ -71,7 +73,7 @@ class FakeWriter:
         hooks.on_phase("stage")
         hooks.on_phase("plan")
         (directory / "__0_0.distcp").write_bytes(repr(state_dict).encode())
-        (directory / ".metadata").write_bytes(b"metadata")
+        (directory / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={})))  # DCP's, describing nothing
         write_rank_checksums(directory, 0)
         self.started[group] = hooks
         hooks.on_phase("write")

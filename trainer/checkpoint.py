@@ -13,7 +13,6 @@ background writer in ``trainer.rank.resilience``.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import io
 import json
 import os
@@ -32,17 +31,27 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from trainer.errors import non_transient_cause
+from trainer.checkpoint_trust import (  # noqa: F401 (re-exported: trainer.checkpoint is where readers find them)
+    MANIFEST,
+    SIGNING_KEY_ENV,
+    CheckpointError,
+    VerifiedCheckpoint,
+    checkpoint_step,
+    manifest_signature,
+    open_checkpoint,
+    rank_state_file,
+    read_dcp_metadata,
+    read_rank_checksums,
+    sign_rank_checksums,
+    signing_key,
+    verify_checkpoint,
+)
+from trainer.errors import NonTransientError, non_transient_cause
 from trainer.events import Checkpoint, CheckpointFailed, EventLog, RunWarning
 from trainer.fsutil import atomic_write_text, file_sha256, fsync_dir
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
-MANIFEST = "manifest.json"
-SIGNING_KEY_ENV = "RFSDP_CHECKPOINT_KEY"
-"""When set (from a secret), every manifest written is signed (HMAC-SHA256) with it, and every
-checkpoint loaded must carry a valid signature: a checkpoint from object storage that someone
-else wrote or altered, checksums included, is refused before anything in it is unpickled."""
 _PUBLISHED = re.compile(r"^step_(\d{6})$")
 PREPARE_DIR = "prepare.tmp"
 """Scratch directory (+ the generation tag) of a writer's :meth:`Checkpointer.prepare`."""
@@ -58,8 +67,8 @@ def local_tier_root() -> Path:
     return Path(os.environ.get(LOCAL_TIER_ROOT_ENV) or LOCAL_TIER_ROOT)
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, torn or corrupt."""
+class UnsignedResumeError(CheckpointError, NonTransientError):
+    """The run's checkpoints are signed, and this process has no key to verify them with."""
 
 
 class CheckpointWriteError(RuntimeError):
@@ -69,11 +78,6 @@ class CheckpointWriteError(RuntimeError):
 def step_dir_name(step: int) -> str:
     """``step_000120`` for step 120."""
     return f"step_{step:06d}"
-
-
-def rank_state_file(rank: int) -> str:
-    """Name of a rank's non-tensor state file inside a checkpoint."""
-    return f"rank{rank}.pt"
 
 
 def local_tier_dir(run_dir: Path, fingerprint: str) -> Path:
@@ -98,7 +102,7 @@ def write_rank_checksums(directory: Path, rank: int, *, progress: Callable[[], N
     record = {
         name: {"size": (directory / name).stat().st_size, "sha256": file_sha256(directory / name, progress=progress)} for name in names
     }
-    atomic_write_text(directory / f"checksums_rank{rank}.json", json.dumps(record))
+    atomic_write_text(directory / f"checksums_rank{rank}.json", json.dumps(sign_rank_checksums(record, directory.name, rank)))
 
 
 # The writer's phase hooks, as the timed phases that end there ("write": the hand-off returns).
@@ -321,26 +325,44 @@ class Checkpointer:
     def find_latest(self) -> int:
         """The step of the newest published checkpoint that verifies, on every rank (0: none).
 
-        Invalid checkpoints are skipped with a ``warning`` event. ``latest`` is pointed at the
-        chosen one if it names another (rank 0 died between publishing and moving it).
+        Invalid checkpoints are skipped with a ``warning`` event: verified as
+        :func:`open_checkpoint` does, every checksum, and DCP's ``.metadata`` read (restricted).
+        ``latest`` is pointed at the chosen one if it names another (rank 0 died between
+        publishing and moving it) or is corrupt. A run whose checkpoints are signed does not
+        resume without the key: :class:`UnsignedResumeError` on every rank (the job ends).
         """
-        chosen = [None]
+        chosen: list[int | str | None] = [None]
         if self.rank == 0:
             self._remove_stale_temp_dirs()
-            for step, path in reversed(published_checkpoints(self.root)):
-                try:
-                    verify_checkpoint(path, fingerprint=self.fingerprint, world_size=self.world_size)
-                except CheckpointError as e:
-                    self.events.emit(RunWarning(kind="checkpoint_skipped", step=step, reason=str(e)))
-                    continue
-                chosen = [step]
-                break
-            latest = latest_checkpoint(self.root.parent)
-            if chosen[0] is not None and (latest is None or latest.name != step_dir_name(chosen[0])):
-                atomic_write_text(self.root / LATEST, step_dir_name(chosen[0]) + "\n")
-                self.events.emit(RunWarning(kind="latest_repaired", step=chosen[0], was=latest.name if latest else None))
+            chosen = [self._newest_verified()]
         dist.broadcast_object_list(chosen, src=0, group=self.group)
+        if isinstance(chosen[0], str):
+            raise UnsignedResumeError(chosen[0])
         return chosen[0] or 0
+
+    def _newest_verified(self) -> int | str | None:
+        # Rank 0: the step to resume from, or why the run must not resume.
+        published = published_checkpoints(self.root)
+        if signing_key() is None and (signed := [s for s, p in published if _is_signed(p)]):
+            return (
+                f"{step_dir_name(signed[-1])} and {len(signed) - 1} more checkpoint(s) of this run are signed, but "
+                f"${SIGNING_KEY_ENV} is not set: the run does not resume without its key (give it the secret)"
+            )
+        chosen = None
+        for step, path in reversed(published):
+            try:
+                open_checkpoint(path, fingerprint=self.fingerprint, world_size=self.world_size, checksums=True).metadata()
+            except CheckpointError as e:
+                self.events.emit(RunWarning(kind="checkpoint_skipped", step=step, reason=str(e)))
+                continue
+            chosen = step
+            break
+        latest = latest_checkpoint(self.root.parent)
+        if chosen is not None and (latest is None or latest.name != step_dir_name(chosen)):
+            was = latest.name if latest else _latest_text(self.root)
+            atomic_write_text(self.root / LATEST, step_dir_name(chosen) + "\n")
+            self.events.emit(RunWarning(kind="latest_repaired", step=chosen, was=was))
+        return chosen
 
     def load(self, step: int, load: Callable[[Path], None]) -> None:
         """Restore the published checkpoint of ``step`` (one :meth:`find_latest` chose) with
@@ -508,7 +530,7 @@ class Checkpointer:
             path = tmp / f"checksums_rank{rank}.json"
             if not path.is_file():
                 raise CheckpointError(f"rank {rank} did not finish its part of {tmp}")
-            files.update(json.loads(path.read_text()))
+            files.update(read_rank_checksums(path, tmp.name, rank))
         files[".metadata"] = {"size": (tmp / ".metadata").stat().st_size, "sha256": file_sha256(tmp / ".metadata")}
         manifest = {"step": pending.step, "world_size": self.world_size, "fingerprint": self.fingerprint, "files": files}
         if (key := signing_key()) is not None:
@@ -556,77 +578,73 @@ def checkpoint_bytes(path: Path) -> int:
     return sum(f["size"] for f in manifest["files"].values())
 
 
-def verify_checkpoint(path: Path, *, fingerprint: str | None = None, world_size: int | None = None, checksums: bool = True) -> dict:
-    """Check a published checkpoint against its manifest; returns the manifest.
-
-    Raises:
-        CheckpointError: naming the first problem (missing manifest or file, wrong size,
-            checksum mismatch, other config or world size; with ``$RFSDP_CHECKPOINT_KEY`` set, a
-            missing or wrong signature).
-    """
-    path = Path(path)
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path.name}: unreadable manifest ({e})") from e
-    key = signing_key()
-    if key is not None and not hmac.compare_digest(str(manifest.get("signature", "")), manifest_signature(manifest, key)):
-        problem = "is not signed" if "signature" not in manifest else "has a signature that does not match"
-        raise CheckpointError(f"{path.name}: its manifest {problem} the key in ${SIGNING_KEY_ENV}")
-    if fingerprint is not None and manifest.get("fingerprint") != fingerprint:
-        raise CheckpointError(f"{path.name}: written by another training config")
-    if world_size is not None and manifest.get("world_size") != world_size:
-        raise CheckpointError(f"{path.name}: written by world size {manifest.get('world_size')}, not {world_size}")
-    for name, rec in manifest["files"].items():
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"{path.name}: missing {name}")
-        if file.stat().st_size != rec["size"]:
-            raise CheckpointError(f"{path.name}: {name} has {file.stat().st_size} bytes, expected {rec['size']}")
-        if checksums and file_sha256(file) != rec["sha256"]:
-            raise CheckpointError(f"{path.name}: {name} fails its checksum")
-    return manifest
-
-
-def signing_key() -> bytes | None:
-    """The checkpoint signing key of this process (``$RFSDP_CHECKPOINT_KEY``), None when unset."""
-    key = os.environ.get(SIGNING_KEY_ENV)
-    return key.encode() if key else None
-
-
-def manifest_signature(manifest: dict, key: bytes) -> str:
-    """HMAC-SHA256 of the manifest's content (every field but the signature itself)."""
-    body = json.dumps({k: v for k, v in manifest.items() if k != "signature"}, sort_keys=True, separators=(",", ":"))
-    return hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
-
-
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The directory ``checkpoints/latest`` points at (None when there is none)."""
-    pointer = Path(run_dir) / CHECKPOINTS / LATEST
-    if not pointer.is_file():
+    """The directory ``checkpoints/latest`` points at (None when there is none, or when it holds
+    anything but a checkpoint's name: any bytes, never a path elsewhere; resume repairs it).
+    """
+    name = _latest_text(Path(run_dir) / CHECKPOINTS)
+    if name is None or not _PUBLISHED.match(name):
         return None
-    return pointer.parent / pointer.read_text().strip()
+    return Path(run_dir) / CHECKPOINTS / name
+
+
+def _latest_text(root: Path) -> str | None:
+    # What ``latest`` holds, any bytes made printable (None: no such file or unreadable).
+    try:
+        return (Path(root) / LATEST).read_bytes().decode("utf-8", errors="backslashreplace").strip()
+    except OSError:
+        return None
+
+
+def latest_is_corrupt(run_dir: Path) -> bool:
+    """``checkpoints/latest`` exists but names no checkpoint (garbage, not UTF-8, a path)."""
+    text = _latest_text(Path(run_dir) / CHECKPOINTS)
+    return text is not None and not _PUBLISHED.match(text)
+
+
+def _is_signed(path: Path) -> bool:
+    try:
+        manifest = json.loads((Path(path) / MANIFEST).read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and "signature" in manifest
 
 
 def load_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path, group: dist.ProcessGroup | None = None) -> None:
-    """Load a checkpoint's model and optimizer tensors into an FSDP model (DCP reshards to any world size)."""
+    """Load a checkpoint's model and optimizer tensors into an FSDP model (DCP reshards to any
+    world size), through :func:`open_checkpoint`: each rank verifies the manifest and every
+    file it reads.
+    """
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
     tensors = {"model": model_sd, "optim": optim_sd}
-    dcp.load(tensors, checkpoint_id=path, process_group=group)
+    checkpoint = open_checkpoint(path)
+    checkpoint.metadata()  # verified and read here, so that a bad one raises as itself (DCP would wrap it)
+    dcp.load(tensors, storage_reader=checkpoint.storage_reader(), process_group=group)
     set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"])
+
+
+def read_rank_state(path: Path, rank: int) -> dict:
+    """A rank's small state (``rank<R>.pt``) of a published checkpoint, through :func:`open_checkpoint`."""
+    return open_checkpoint(path).rank_state(rank)
 
 
 def read_full_state(path: Path) -> dict:
     """A published checkpoint's tensors as one unsharded state dict, in a single process with
-    no process group (DCP reshards on load).
+    no process group (DCP reshards on load), through :func:`open_checkpoint`.
     """
-    import tempfile
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as tmp:
-        target = Path(tmp) / "full.pt"
-        dcp_to_torch_save(path, target)
-        return torch.load(target, weights_only=True)
+    checkpoint = open_checkpoint(path)
+    checkpoint.metadata()  # verified and read here, so that a bad one raises as itself (DCP would wrap it)
+    state: dict = {}
+    try:
+        _load_state_dict(state, storage_reader=checkpoint.storage_reader(), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    except dcp.CheckpointException as e:  # one process: its own error, as itself
+        cause = next((f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()), None)
+        if isinstance(cause, CheckpointError):
+            raise cause from e
+        raise
+    return state

@@ -35,7 +35,7 @@ from trainer.checkpoint import (
     load_tensors,
     local_tier_dir,
     published_checkpoints,
-    rank_state_file,
+    read_rank_state,
 )
 from trainer.data.prepare import local_data
 from trainer.data.shards import TokenLoader, load_split
@@ -143,7 +143,7 @@ class TrainState:
         """Restore everything from a published checkpoint directory."""
         load_tensors(self.model, self.optimizer, path, self.group)
         self._live_shards = None
-        self._load_rank_state(torch.load(path / rank_state_file(dist.get_rank()), weights_only=True))
+        self._load_rank_state(read_rank_state(path, dist.get_rank()))  # verified against the manifest as read
 
     def local_snapshot(self, step: int) -> dict:
         """What :meth:`snapshot` holds, with this rank's shards as plain local tensors (the

@@ -46,9 +46,12 @@ from trainer.checkpoint import (
     MANIFEST,
     CheckpointError,
     latest_checkpoint,
+    latest_is_corrupt,
+    open_checkpoint,
     published_checkpoints,
     rank_state_file,
     read_full_state,
+    read_rank_state,
     step_dir_name,
     verify_checkpoint,
 )
@@ -342,9 +345,9 @@ def _read_manifest(path: Path) -> dict | None:
 
 # ---------------------------------------------------------------------------------- checks
 def _check_complete(t: _Target) -> Check:
-    """Manifest files present with their sizes, DCP's shard files covered, ``latest`` pointing here."""
-    from torch.distributed.checkpoint import FileSystemReader
-
+    """Manifest files present with their sizes, DCP's shard files covered, ``latest`` pointing here
+    (a corrupt ``latest``, which resume repairs, is only reported).
+    """
     pointer = latest_checkpoint(t.path.parent.parent)
     values: dict = {"latest": pointer.name if pointer else None}
     if t.manifest is None:
@@ -352,18 +355,19 @@ def _check_complete(t: _Target) -> Check:
     files = t.manifest["files"]
     values.update(files=len(files), bytes=sum(f["size"] for f in files.values()), world_size=t.manifest.get("world_size"))
     try:
-        verify_checkpoint(t.path, checksums=False)
+        checkpoint = open_checkpoint(t.path, checksums=False)
     except CheckpointError as e:
         return Check("complete", False, values, str(e))
     expected = [".metadata"] + [rank_state_file(r) for r in range(t.manifest.get("world_size", 0))]
     absent = [name for name in expected if name not in files]
     if absent:
         return Check("complete", False, values, f"the manifest lacks {', '.join(absent)}")
-    # The DCP metadata says which byte ranges of which files hold each tensor.
+    # The DCP metadata says which byte ranges of which files hold each tensor. It is read only
+    # once its bytes match the manifest, and then with DCP's metadata classes allowed only.
     try:
-        storage = FileSystemReader(str(t.path)).read_metadata().storage_data
-    except Exception as e:  # noqa: BLE001 (any unpickling error means the same: unreadable)
-        return Check("complete", False, values, f".metadata is unreadable ({type(e).__name__}: {e})")
+        storage = checkpoint.metadata().storage_data
+    except CheckpointError as e:
+        return Check("complete", False, values, str(e))
     ends: dict[str, int] = {}
     for info in storage.values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
@@ -373,9 +377,11 @@ def _check_complete(t: _Target) -> Check:
             return Check("complete", False, values, f".metadata reads {name}, which the manifest does not list")
         if files[name]["size"] < end:
             return Check("complete", False, values, f".metadata reads {name} up to byte {end}, but it has {files[name]['size']}")
-    if t.is_latest and values["latest"] != t.path.name:
+    corrupt = latest_is_corrupt(t.path.parent.parent)
+    if t.is_latest and values["latest"] != t.path.name and not corrupt:
         return Check("complete", False, values, f"checkpoints/{LATEST} names {values['latest']}, not {t.path.name}")
-    return Check("complete", True, values, f"{len(files)} files, {values['bytes']:,} bytes, {len(ends)} shard file(s)")
+    note = f"; checkpoints/{LATEST} is corrupt (resuming the run repairs it to the newest that verifies)" if corrupt else ""
+    return Check("complete", True, values, f"{len(files)} files, {values['bytes']:,} bytes, {len(ends)} shard file(s){note}")
 
 
 def _check_intact(t: _Target) -> Check:
@@ -502,8 +508,7 @@ def _check_replays(t: _Target) -> Check:
         produced = scratch / CHECKPOINTS / step_dir_name(t.step)
         diffs = _differences(t.state, read_full_state(produced))
         for rank in range(world):
-            ours = torch.load(t.path / rank_state_file(rank), weights_only=True)
-            theirs = torch.load(produced / rank_state_file(rank), weights_only=True)
+            ours, theirs = read_rank_state(t.path, rank), read_rank_state(produced, rank)
             diffs += [f"{rank_state_file(rank)}:{d}" for d in _differences(_trajectory(ours), _trajectory(theirs))]
         values["state_mismatches"] = len(diffs)
         if diffs:
