@@ -210,6 +210,18 @@ def test_each_rank_verifies_what_it_loads(one_rank: None, tmp_path: Path) -> Non
         read_rank_state(path, 0)
 
 
+def test_a_write_outcome_is_never_unpickled(tmp_path: Path) -> None:
+    """The background writer's outcome record lies on the shared volume beside the shard: a
+    pickle planted there is refused as a failed write and never runs."""
+    from trainer.rank.resilience import _outcome_name, _read_outcome
+
+    marker = tmp_path / "ran"
+    (tmp_path / _outcome_name(0)).write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises((RuntimeError, ValueError)):
+        _read_outcome(tmp_path, 0)
+    assert not marker.exists(), "the planted pickle ran"
+
+
 # ------------------------------------------------------------------ item 10: a corrupt latest
 @pytest.mark.parametrize("garbage", [b"\xff\xfe\x00step", b"../../etc\n", b""])
 def test_resume_repairs_a_corrupt_latest(one_rank: None, tmp_path: Path, garbage: bytes) -> None:

@@ -12,11 +12,11 @@ import contextlib
 import datetime
 import hashlib
 import io
+import json
 import logging
 import math
 import multiprocessing
 import os
-import pickle
 import queue
 import shutil
 import signal
@@ -43,6 +43,9 @@ from nvidia_resiliency_ext.checkpointing.local.replication.group_utils import Gr
 from nvidia_resiliency_ext.checkpointing.local.replication.strategies import CliqueReplicationStrategy
 from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
 from torch.distributed._state_dict_utils import _create_cpu_state_dict
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint import CheckpointWriteError, SaveHooks, write_rank_checksums
@@ -94,12 +97,13 @@ def _write_shard(
         if isinstance(outcome, Exception):
             raise outcome
         write_rank_checksums(Path(directory), rank)
-        record = {"results": outcome, "buckets": len(write_buckets), "error": None}
+        results_json = {str(k): [_write_result_json(r) for r in v] for k, v in outcome.items()}
+        record = {"results": results_json, "buckets": len(write_buckets), "error": None}
     except Exception as e:  # reported to the training process, which agrees on it with the others
         errno = e.errno if isinstance(e, OSError) else None  # a full disk is not retried
         record = {"results": {}, "buckets": len(write_buckets), "error": f"{type(e).__name__}: {e}", "errno": errno}
     with contextlib.suppress(OSError):  # the directory of an abandoned write may be gone already
-        (Path(directory) / _outcome_name(rank)).write_bytes(pickle.dumps(record))
+        (Path(directory) / _outcome_name(rank)).write_text(json.dumps(record))
     done[0] = request_id
 
 
@@ -196,7 +200,31 @@ _NEVER_READ_RESULTS_QUEUE = queue.SimpleQueue()
 
 
 def _outcome_name(rank: int) -> str:
-    return f".write_outcome_rank{rank}.pkl"
+    return f".write_outcome_rank{rank}.json"
+
+
+def _write_result_json(result: WriteResult) -> dict:
+    """One DCP write result as plain JSON (the outcome record lies on the shared volume: never a pickle)."""
+    info = result.storage_data
+    if not isinstance(info, _StorageInfo):
+        raise TypeError(f"unexpected DCP storage data {type(info).__name__}")
+    offset = result.index.offset
+    return {
+        "fqn": result.index.fqn, "offset": None if offset is None else list(offset), "index": result.index.index,
+        "size": result.size_in_bytes, "path": info.relative_path, "at": info.offset, "length": info.length,
+        "transforms": None if info.transform_descriptors is None else list(info.transform_descriptors),
+    }  # fmt: skip
+
+
+def _write_result(record: dict) -> WriteResult:
+    transforms = record["transforms"]
+    return WriteResult(
+        index=MetadataIndex(str(record["fqn"]), record["offset"], record["index"]),
+        size_in_bytes=int(record["size"]),
+        storage_data=_StorageInfo(
+            str(record["path"]), int(record["at"]), int(record["length"]), None if transforms is None else list(transforms)
+        ),
+    )
 
 
 def _read_outcome(directory: Path, rank: int) -> list:
@@ -204,13 +232,17 @@ def _read_outcome(directory: Path, rank: int) -> list:
     path = Path(directory) / _outcome_name(rank)
     if not path.is_file():
         raise RuntimeError("the background worker left no outcome (it died)")
-    record = pickle.loads(path.read_bytes())
+    raw = path.read_bytes()
     path.unlink()
-    if record["error"]:
-        raise OSError(record["errno"], record["error"]) if record.get("errno") else RuntimeError(record["error"])
-    if len(record["results"]) != record["buckets"]:
-        raise RuntimeError(f"incomplete worker results ({len(record['results'])} of {record['buckets']} files)")
-    return list(chain.from_iterable(record["results"].values()))
+    try:
+        record = json.loads(raw)
+        if record["error"]:
+            raise OSError(record["errno"], record["error"]) if record.get("errno") else RuntimeError(record["error"])
+        if len(record["results"]) != record["buckets"]:
+            raise RuntimeError(f"incomplete worker results ({len(record['results'])} of {record['buckets']} files)")
+        return [_write_result(r) for r in chain.from_iterable(record["results"].values())]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise RuntimeError(f"the background worker's outcome record is unreadable ({type(e).__name__}: {e})") from None
 
 
 def _drain(q: object) -> None:
@@ -456,7 +488,7 @@ def _agree_and_finalize(started: _StartedWrite, group: dist.ProcessGroup) -> Non
     error = None
     try:
         results = _read_outcome(started.directory, dist.get_rank())
-    except (OSError, RuntimeError, pickle.UnpicklingError, EOFError, KeyError) as e:
+    except (OSError, RuntimeError) as e:
         error, results = e, []
     verdict = 1 if error is None else -1 if non_transient_cause(error) else 0
     agreed = torch.tensor([verdict], dtype=torch.int32)
