@@ -15,6 +15,7 @@ through the cluster harness (:class:`NodeControl`, see ``trainer.emulation.netns
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import signal
@@ -34,7 +35,7 @@ RANK_KINDS = {
     "hang": "the rank blocks inside C (hang detection, in-job restart)",
     "exit": f"the rank exits with code {EXIT_CODE} (in-job restart)",
     "sigterm": "the rank's container is preempted (every rank checkpoints and exits 0)",
-    "corrupt-event": "rank 0 appends a torn line to events.jsonl (skipped and reported)",
+    "corrupt-event": "the rank appends a torn line (no newline, not UTF-8) to events.jsonl (skipped and reported)",
     "enospc": "the rank's next write fails: disk full (the job ends with a fatal event)",
     "corrupt-local": "the rank flips a byte of its newest local snapshot, then raises (in-process restart skips that snapshot)",
 }
@@ -166,9 +167,8 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         if fault.kind == "exit":
             os._exit(EXIT_CODE)
-        if fault.kind == "corrupt-event":  # a line torn by a writer that died mid-write
-            with open(self.run_dir / EVENTS_FILE, "a") as f:
-                f.write('{"event": "step", "step": ' + str(step) + ', "lo\n')
+        if fault.kind == "corrupt-event":  # a writer that died mid-write, holding the lock: a line's start, no newline,
+            tear_event_line(self.run_dir, step)  # cut inside a multi-byte character (not UTF-8)
         if fault.kind == "sigterm":  # preemption of this rank's container: its PID 1, ft_launcher, forwards it to the
             os.kill(os.getppid(), signal.SIGTERM)  # other ranks; this rank gets it now, so the stop step is this one
             os.kill(os.getpid(), signal.SIGTERM)
@@ -186,6 +186,19 @@ class FaultInjector:
         if fault.kind == "hang":
             while True:  # blocked inside C (the sleep syscall), as a stuck kernel or driver would be
                 time.sleep(3600)
+
+
+def tear_event_line(run_dir: Path, step: int) -> None:
+    """Append what a writer killed in the middle of an event leaves in ``events.jsonl``: the
+    start of a ``step`` line, cut inside a multi-byte UTF-8 character, without its newline
+    (the next append starts on a new line: ``EventLog.emit``).
+    """
+    fd = os.open(Path(run_dir) / EVENTS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+        os.write(fd, b'{"event": "step", "step": ' + str(step).encode() + b', "loss": 2.5, "note": "\xc3')
+    finally:
+        os.close(fd)
 
 
 @runtime_checkable
