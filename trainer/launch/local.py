@@ -341,7 +341,10 @@ def launch_local(
             if cfg.local_ckpt_every:  # memory: nothing of the tier outlives the job (a later resume takes the durable tier)
                 shutil.rmtree(local_tier_dir(run_dir, cfg.trajectory_hash()), ignore_errors=True)
         if code:
-            EventLog(run_dir, rank=-1).emit(RunEnd(status="failed", exit_code=code))
+            try:
+                EventLog(run_dir, rank=-1).emit(RunEnd(status="failed", exit_code=code))
+            except OSError as e:  # (a full volume): the exit code still says it; the launcher does not die of it
+                print(f"rfsdp train: the run's end is not recorded in the events: {e}", file=sys.stderr)
         return code
 
 
