@@ -27,6 +27,7 @@ from typing import Protocol, runtime_checkable
 
 from trainer.errors import ParameterError
 from trainer.events import EVENTS_FILE, SAVE_PHASES, EventLog, FaultFired
+from trainer.process import launcher_pid
 
 EXIT_CODE = 13
 RANK_KINDS = {
@@ -170,7 +171,7 @@ class FaultInjector:
         if fault.kind == "corrupt-event":  # a writer that died mid-write, holding the lock: a line's start, no newline,
             tear_event_line(self.run_dir, step)  # cut inside a multi-byte character (not UTF-8)
         if fault.kind == "sigterm":  # preemption of this rank's container: its PID 1, ft_launcher, forwards it to the
-            os.kill(os.getppid(), signal.SIGTERM)  # other ranks; this rank gets it now, so the stop step is this one
+            os.kill(launcher_pid(), signal.SIGTERM)  # other ranks; this rank gets it now, so the stop step is this one
             os.kill(os.getpid(), signal.SIGTERM)
         if fault.kind == "corrupt-local":  # bit rot in node memory, then a fault that makes the run resume
             newest = self.local_newest()  # its own (not a replica's)

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+LAUNCHER_PID_ENV = "RFSDP_LAUNCHER_PID"
+"""The pid of a rank's launcher, set by the worker that started the rank (``trainer.launch.worker``)."""
 
 
 def die_with_parent(sig: signal.Signals = signal.SIGTERM) -> None:
@@ -18,6 +20,14 @@ def die_with_parent(sig: signal.Signals = signal.SIGTERM) -> None:
     outlives the process that started it: a launcher killed outright still stops its children.
     """
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+def launcher_pid() -> int:
+    """The pid of this rank's launcher (ft_launcher's agent, torchrun's): named by the worker that
+    asked the zygote for this rank (:data:`LAUNCHER_PID_ENV`), else this process's parent (a
+    forked rank's parent is the zygote).
+    """
+    return int(os.environ.get(LAUNCHER_PID_ENV) or os.getppid())
 
 
 def lower_priority() -> None:
@@ -30,8 +40,15 @@ def lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
+def process_start_ticks(pid: int | None = None) -> int:
+    """When process ``pid`` (default: this one) started, in clock ticks since boot: exact, so
+    that a pid and its start name one process (Linux).
+    """
+    return int(Path(f"/proc/{pid or 'self'}/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+
+
 def process_start_time(pid: int | None = None) -> float:
     """When process ``pid`` (default: this one) started, in unix seconds (Linux; about 10 ms resolution)."""
-    ticks = int(Path(f"/proc/{pid or 'self'}/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+    ticks = process_start_ticks(pid)
     uptime = float(Path("/proc/uptime").read_text().split()[0])  # both count from boot
     return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))

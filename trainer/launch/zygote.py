@@ -24,13 +24,20 @@ What keeps a fork equal to a fresh interpreter:
 Lifetime: the rank's process group is SIGKILLed when its client's connection closes (the launcher
 killed the worker's group); a rank outlives no zygote (PR_SET_PDEATHSIG) and the zygote outlives
 no agent: once the agent process is gone it takes no more requests and exits when its last rank
-has. Its socket is in the abstract namespace: nothing is left on disk.
+has; it then removes its socket and lock file.
+
+Who it serves: a process of its own user whose parent is its agent (SO_PEERCRED), through a
+socket in that user's private folder (``trainer.launch.worker``, which documents the client's
+checks). Anyone else's request is refused, forks nothing and is logged. A request carries the
+client's environment without its secrets: the rank takes those from the zygote's own
+environment, which it inherited from the same launcher.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import json
 import os
 import select
@@ -39,9 +46,10 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from trainer.launch.worker import TRAIN_MODULE, abstract, lock_address
+from trainer.launch.worker import TRAIN_MODULE, lock_address, peer_uid
 from trainer.process import lower_priority, process_start_time
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -65,6 +73,8 @@ class Request:
 
     argv: list[str]
     env: dict[str, str]
+    """The client's environment less its secrets, which are named in ``withheld``."""
+    withheld: list[str]
     cwd: str
     client_pid: int
     client_started: float
@@ -99,37 +109,81 @@ def _preload() -> None:
         raise failed[0]
 
 
-def _bind(address: str) -> socket.socket | None:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+def _lock(path: str) -> int | None:
+    """Hold ``path`` locked for this process's life (the kernel drops the lock with it); None
+    when another process holds it.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        sock.bind(abstract(address))
-    except OSError:  # another zygote holds it
-        sock.close()
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
         return None
+    return fd
+
+
+def _bind(address: str) -> socket.socket:
+    with contextlib.suppress(FileNotFoundError):  # a dead zygote's: this one holds the lock
+        os.unlink(address)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.bind(address)
     sock.listen(16)
     return sock
 
 
-def _accept(listener: socket.socket) -> tuple[socket.socket, Request] | None:
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _refuse(conn: socket.socket, reason: str) -> None:
+    print(f"rfsdp zygote: refused a request: {reason}", file=sys.stderr, flush=True)
+    with contextlib.suppress(OSError):
+        conn.send(json.dumps({"error": reason}).encode())
+    conn.close()
+
+
+def _accept(listener: socket.socket, agent_pid: int) -> tuple[socket.socket, Request] | None:
+    """The next request, if its client may have a rank: a process of this user whose parent is
+    the agent (the client waits for the reply, so its pid cannot be reused meanwhile), asking
+    only for secrets this process holds.
+    """
     conn, _ = listener.accept()
     try:
-        data, fds, _, _ = socket.recv_fds(conn, _MAX_MESSAGE, 3)
+        data, fds, _, _ = socket.recv_fds(conn, _MAX_MESSAGE, 3)  # read before any reply: a refused client reads its reason
+    except OSError as e:
+        _refuse(conn, f"bad request: {e}")
+        return None
+    pid, uid = peer_uid(conn)
+    if uid != os.geteuid() or _parent(pid) != agent_pid:
+        for fd in fds:
+            os.close(fd)
+        _refuse(conn, f"pid {pid} (uid {uid}) is not a worker of this zygote's launcher (pid {agent_pid})")
+        return None
+    try:
         msg = json.loads(data)
         if len(fds) != 3:
             raise ValueError(f"{len(fds)} stdio descriptors")
-    except (OSError, ValueError) as e:
-        with contextlib.suppress(OSError):
-            conn.send(json.dumps({"error": f"bad request: {e}"}).encode())
-        conn.close()
+        absent = [name for name in msg["withheld"] if name not in os.environ]
+        if absent:
+            raise ValueError(f"the zygote's environment lacks {', '.join(absent)}")
+        request = Request(msg["argv"], msg["env"], msg["withheld"], msg["cwd"], msg["pid"], msg["started"], fds)
+    except (ValueError, KeyError, TypeError) as e:
+        for fd in fds:
+            os.close(fd)
+        _refuse(conn, f"bad request: {e}")
         return None
-    return conn, Request(msg["argv"], msg["env"], msg["cwd"], msg["pid"], msg["started"], fds)
+    return conn, request
 
 
 def serve(address: str, agent_pid: int) -> Request | None:
     """Serve ``address`` until the agent is gone and every rank has ended (returns None), or,
     in a forked rank, return that rank's request.
     """
-    lock = _bind(lock_address(address))
+    lock = _lock(lock_address(address))
     if lock is None:
         return None  # another zygote serves this agent, or is importing
     try:
@@ -139,9 +193,7 @@ def serve(address: str, agent_pid: int) -> Request | None:
     _preload()
     sys.stdout.flush()
     sys.stderr.flush()
-    listener = _bind(address)
-    if listener is None:
-        return None
+    listener: socket.socket | None = _bind(address)
     ranks: dict[int, _Rank] = {}  # by pidfd
     while listener is not None or ranks:
         waiting = [r.pidfd for r in ranks.values()] + [r.conn for r in ranks.values() if r.conn is not None]
@@ -152,8 +204,11 @@ def serve(address: str, agent_pid: int) -> Request | None:
             if item is agent:  # the run is over on this node: no more ranks
                 listener.close()
                 listener = None
+                for path in (address, lock_address(address)):  # the lock too: no worker of this agent comes any more
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
             elif item is listener:
-                if (accepted := _accept(listener)) is None:
+                if (accepted := _accept(listener, agent_pid)) is None:
                     continue
                 conn, request = accepted
                 detached_r, detached_w = os.pipe()
@@ -161,7 +216,7 @@ def serve(address: str, agent_pid: int) -> Request | None:
                 if pid == 0:
                     os.close(detached_r)
                     _detach(detached_w)
-                    lock.close()  # the rank holds nothing of the zygote's
+                    os.close(lock)  # the rank holds nothing of the zygote's
                     listener.close()
                     conn.close()
                     for fd in [agent, *(r.pidfd for r in ranks.values())]:
@@ -207,6 +262,11 @@ def _detach(done_fd: int) -> None:
     os.close(done_fd)
 
 
+def rank_environment(request: Request, own: Mapping[str, str]) -> dict[str, str]:
+    """The rank's environment: the client's, with the secrets it withheld from the zygote's own."""
+    return {**request.env, **{name: own[name] for name in request.withheld}}
+
+
 def run_rank(request: Request, agent_pid: int) -> None:
     """In the forked rank (detached already): become the client's process and run the trainer's main."""
     forked = time.time()
@@ -214,8 +274,9 @@ def run_rank(request: Request, agent_pid: int) -> None:
         os.dup2(fd, target)
         os.close(fd)
     os.chdir(request.cwd)
+    env = rank_environment(request, os.environ)
     os.environ.clear()
-    os.environ.update(request.env)
+    os.environ.update(env)
     train = sys.modules[TRAIN_MODULE]
     sys.argv = [train.__file__, *request.argv]
     startup = {"process_started": request.client_started, "forked": forked}
