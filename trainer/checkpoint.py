@@ -6,30 +6,27 @@ every rank's part is durable does rank 0 write ``manifest.json`` (sizes + SHA-25
 rename the directory to ``step_NNNNNN`` and move the ``latest`` pointer. Resume walks published
 checkpoints newest first and takes the first whose manifest verifies.
 
-How the shards are written is a :class:`CheckpointWriter`: ``SyncDcpWriter`` here, the NVRx
-background writer in ``trainer.rank.resilience``.
+How the shards are written is a :class:`CheckpointWriter` (``trainer.checkpoint_writers``:
+``SyncDcpWriter`` there, the NVRx background writer in ``trainer.rank.resilience``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import FileSystem
 
 from trainer.checkpoint_trust import (  # noqa: F401 (re-exported: trainer.checkpoint is where readers find them)
     MANIFEST,
@@ -45,6 +42,13 @@ from trainer.checkpoint_trust import (  # noqa: F401 (re-exported: trainer.check
     sign_rank_checksums,
     signing_key,
     verify_checkpoint,
+)
+from trainer.checkpoint_writers import (  # noqa: F401 (re-exported: trainer.checkpoint is where callers find them)
+    CheckpointWriteError,
+    CheckpointWriter,
+    SaveHooks,
+    SyncDcpWriter,
+    write_rank_checksums,
 )
 from trainer.errors import NonTransientError, non_transient_cause
 from trainer.events import Checkpoint, CheckpointFailed, EventLog, RunWarning
@@ -71,10 +75,6 @@ class UnsignedResumeError(CheckpointError, NonTransientError):
     """The run's checkpoints are signed, and this process has no key to verify them with."""
 
 
-class CheckpointWriteError(RuntimeError):
-    """A background write failed on at least one rank (raised on every rank alike)."""
-
-
 def step_dir_name(step: int) -> str:
     """``step_000120`` for step 120."""
     return f"step_{step:06d}"
@@ -91,134 +91,8 @@ def local_tier_dir(run_dir: Path, fingerprint: str) -> Path:
     return local_tier_root() / hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
-def write_rank_checksums(directory: Path, rank: int, *, progress: Callable[[], None] = lambda: None) -> None:
-    """Hash this rank's files of a checkpoint and record them durably (``checksums_rank<R>.json``).
-
-    Runs right after the rank's shard is written: in the background worker for async saves, in
-    the loop (``progress`` called as it reads) for sync ones.
-    """
-    directory = Path(directory)
-    names = [p.name for p in directory.glob(f"__{rank}_*.distcp")] + [rank_state_file(rank)]
-    record = {
-        name: {"size": (directory / name).stat().st_size, "sha256": file_sha256(directory / name, progress=progress)} for name in names
-    }
-    atomic_write_text(directory / f"checksums_rank{rank}.json", json.dumps(sign_rank_checksums(record, directory.name, rank)))
-
-
 # The writer's phase hooks, as the timed phases that end there ("write": the hand-off returns).
 _TIMED_WRITER_PHASES = {"stage": "stage", "plan": "plan", "finalize": "background"}
-
-
-def _no_phase_hook(phase: str) -> None:
-    """Default ``on_phase``: nothing happens at a phase."""
-
-
-@dataclass(frozen=True, slots=True)
-class SaveHooks:
-    """What the loop around a save lends the writer for that save."""
-
-    on_phase: Callable[[str], None] = _no_phase_hook
-    """Called as the save reaches each of ``SAVE_PHASES`` (fault injection fires here)."""
-    atomic: Callable[[], AbstractContextManager] = nullcontext
-    """A section that in-process restart must not interrupt (sending a write to a worker)."""
-    alive: Callable[[], None] = lambda: None
-    """Called through work that may take seconds (buffers made, a sync save's writes), so that
-    hang detection does not take it for a hang."""
-    meet: Callable[[], None] = lambda: None
-    """Waits for every rank, reporting progress, where ranks may arrive seconds apart (after the
-    buffers are made) and the next collective is on ``group``, whose timeout is a training
-    collective's."""
-
-
-class CheckpointWriter(Protocol):
-    """Writes the tensor state of one checkpoint; collective over the checkpoint group."""
-
-    mode: str
-
-    def start(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:
-        """Begin writing ``state_dict`` (DCP layout) into ``directory``; returns when the
-        training loop may continue, which must call :meth:`wait_copied` before it changes the
-        state. Call it only after :meth:`poll` returned True.
-        """
-
-    def wait_copied(self) -> tuple[float, float] | None:
-        """Return once the state :meth:`start` was given may change (a writer may still be
-        copying it in the background): (seconds that copy took, seconds waited here), or None
-        if nothing was being copied.
-        """
-
-    def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:
-        """Collective: do now, once the state is complete, what the first :meth:`start` on
-        ``group`` would otherwise pay (buffers, plans), so that it stalls no longer than the
-        saves after it; ``directory`` is scratch space, removed afterwards. May do nothing.
-        Uses ``hooks.alive`` and ``hooks.meet``.
-        """
-
-    def poll(self, group: dist.ProcessGroup) -> bool:
-        """Collective (same iteration on every rank), non-blocking: True once nothing is being
-        written on any rank, the write started last on ``group`` then being durable and finalized.
-        Raises CheckpointWriteError on every rank alike if that write failed. A write started on
-        another group (an earlier incarnation's, after a fault) is never finalized.
-        """
-
-    def close(self) -> None:
-        """Release background resources."""
-
-
-class _FileSystemReportingWrites(FileSystem):
-    """DCP's local file system, calling ``alive`` after each write into a file it creates."""
-
-    def __init__(self, alive: Callable[[], None]) -> None:
-        super().__init__()
-        self.alive = alive
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
-        with super().create_stream(path, mode) as stream:
-            yield _ReportingStream(stream, self.alive) if "w" in mode else stream
-
-
-class _ReportingStream:
-    """A file whose writes call ``alive`` (everything else is the file's)."""
-
-    def __init__(self, stream: io.IOBase, alive: Callable[[], None]) -> None:
-        self._stream, self._alive = stream, alive
-
-    def write(self, data: bytes) -> int:
-        written = self._stream.write(data)
-        self._alive()
-        return written
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._stream, name)
-
-
-class SyncDcpWriter:
-    """The synchronous baseline: ``torch.distributed.checkpoint.save`` inside the loop."""
-
-    mode = "sync"
-
-    def start(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:
-        """Write, fsync and checksum the shard before returning, calling ``hooks.alive`` as it
-        writes and reads: a large state's save takes seconds in the loop, not a hang.
-        """
-        storage = dcp.FileSystemWriter(directory, sync_files=True)
-        storage.fs = _FileSystemReportingWrites(hooks.alive)
-        dcp.save(state_dict, storage_writer=storage, process_group=group)
-        write_rank_checksums(directory, dist.get_rank(), progress=hooks.alive)
-
-    def wait_copied(self) -> None:
-        """Nothing: the state was written before :meth:`start` returned."""
-
-    def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:
-        """Nothing: a synchronous save plans and writes in the loop every time alike."""
-
-    def poll(self, group: dist.ProcessGroup) -> bool:
-        """Always done: the write happened inside :meth:`start`."""
-        return True
-
-    def close(self) -> None:
-        """Nothing to release."""
 
 
 @dataclass(slots=True)

@@ -33,7 +33,7 @@ import math
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +63,7 @@ from trainer.launch.spec import LaunchSpec
 from trainer.rank.config import TrainConfig
 from trainer.rank.model import Transformer
 from trainer.rank.runtime import seed_everything
+from trainer.results.states import differences, load_resharded, tensors
 from trainer.storage.store import StorageError
 
 CHECKS = ("complete", "intact", "loadable", "finite", "quality", "replays")
@@ -77,8 +78,6 @@ REQUIRES = {
 }
 EVAL_BATCHES = 16
 """Batches of the val split the quality check evaluates (``batch_size`` x ``seq_len`` tokens each)."""
-RESHARD_TIMEOUT_S = 300.0
-# Rank-state entries that belong to the trajectory (the rank monitor's are runtime timings).
 TRAJECTORY_RANK_STATE = ("step", "loader", "rng")
 
 
@@ -404,10 +403,10 @@ def _check_loadable(t: _Target) -> Check:
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])  # strict: keys and shapes
     t.state, t.model = state, model
     world = t.manifest["world_size"] + 1  # any other world size reshards; one more rank keeps it small
-    resharded = _load_resharded(t.path, t.cfg, world)
-    diffs = _differences(state, resharded)
+    resharded = load_resharded(t.path, t.cfg, world)
+    diffs = differences(state, resharded)
     values = {
-        "tensors": sum(1 for _ in _tensors(state)),
+        "tensors": sum(1 for _ in tensors(state)),
         "parameters": sum(p.numel() for p in state["model"].values()),
         "saved_world_size": t.manifest["world_size"],
         "reshard_world_size": world,
@@ -425,10 +424,10 @@ def _check_loadable(t: _Target) -> Check:
 
 def _check_finite(t: _Target) -> Check:
     """Every tensor finite; parameter norms."""
-    bad = [name for name, tensor in _tensors(t.state) if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
+    bad = [name for name, tensor in tensors(t.state) if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
     norms = {name: float(p.float().norm()) for name, p in t.state["model"].items()}
     values = {
-        "tensors": sum(1 for _ in _tensors(t.state)),
+        "tensors": sum(1 for _ in tensors(t.state)),
         "nonfinite_tensors": len(bad),
         "param_norm": math.sqrt(sum(n * n for n in norms.values())),
         "param_norms": norms,
@@ -506,10 +505,10 @@ def _check_replays(t: _Target) -> Check:
             return Check("replays", True, values, f"resumed for {len(compare)} steps: losses equal the run's bit for bit")
         # Reproduce mode: the checkpoint the replay wrote must be the validated one.
         produced = scratch / CHECKPOINTS / step_dir_name(t.step)
-        diffs = _differences(t.state, read_full_state(produced))
+        diffs = differences(t.state, read_full_state(produced))
         for rank in range(world):
             ours, theirs = read_rank_state(t.path, rank), read_rank_state(produced, rank)
-            diffs += [f"{rank_state_file(rank)}:{d}" for d in _differences(_trajectory(ours), _trajectory(theirs))]
+            diffs += [f"{rank_state_file(rank)}:{d}" for d in differences(_trajectory(ours), _trajectory(theirs))]
         values["state_mismatches"] = len(diffs)
         if diffs:
             return Check("replays", False, values, f"replayed from step {base}, the state at step {t.step} differs in {_few(diffs)}")
@@ -543,95 +542,6 @@ def _eval_loss(model: Transformer, tokens, cfg: TrainConfig) -> float:
     with torch.no_grad():
         losses = [float(model(*loader.next_batch())) for _ in range(EVAL_BATCHES)]
     return sum(losses) / len(losses)
-
-
-def _tensors(state: dict, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of a nested state dict with its dotted name."""
-    for key, value in state.items():
-        if isinstance(value, dict):
-            yield from _tensors(value, f"{prefix}{key}.")
-        elif isinstance(value, torch.Tensor):
-            yield f"{prefix}{key}", value
-
-
-def _differences(a: object, b: object, name: str = "") -> list[str]:
-    """Dotted names where two nested states differ (tensors: dtype, shape and every bit)."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = [f"{name}{k}" for k in sorted(a.keys() ^ b.keys(), key=str)]
-        for k in sorted(a.keys() & b.keys(), key=str):
-            out += _differences(a[k], b[k], f"{name}{k}.")
-        return out
-    if isinstance(a, list | tuple) and isinstance(b, list | tuple) and len(a) == len(b):
-        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in _differences(x, y, f"{name}{i}.")]
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        # Raw bytes, not torch.equal: a NaN loaded on another world size is still the same NaN.
-        same = a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bytes_of(a), _bytes_of(b))
-    else:
-        same = type(a) is type(b) and a == b
-    return [] if same else [name.rstrip(".")]
-
-
-def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-
-
-def _load_resharded(path: Path, cfg: TrainConfig, world_size: int) -> dict:
-    """Load a checkpoint into a real ``world_size``-rank gloo job that shards the model with
-    FSDP2, and return the full state it ends up with (gathered on rank 0).
-    """
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory(prefix="rfsdp-reshard-") as tmp:
-        out = Path(tmp) / "full.pt"
-        args = (world_size, str(Path(tmp) / "rdzv"), str(path), cfg, str(out))
-        # fork, not spawn: a spawned rank re-imports torch (seconds of CPU each on a small
-        # machine); the ranks use one intra-op thread, as DataLoader workers do after a fork.
-        ctx = mp.start_processes(_reshard_worker, args=args, nprocs=world_size, join=False, start_method="fork")
-        deadline = time.monotonic() + RESHARD_TIMEOUT_S
-        try:
-            while not ctx.join(timeout=1):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the {world_size}-rank load did not finish in {RESHARD_TIMEOUT_S:.0f} s")
-        except (mp.ProcessRaisedException, mp.ProcessExitedException):
-            # The first rank that wrote down its error says why (the others mostly lost a peer).
-            errors = sorted(Path(tmp).glob("rank*.error"))
-            if not errors:
-                raise
-            raise RuntimeError(f"{errors[0].stem} of {world_size}: {errors[0].read_text()}") from None
-        finally:  # a rank that failed, timed out or was interrupted leaves no process behind
-            for proc in ctx.processes:
-                if proc.is_alive():
-                    proc.kill()
-        return torch.load(out, weights_only=True)
-
-
-def _reshard_worker(rank: int, world_size: int, rdzv_file: str, path: str, cfg: TrainConfig, out: str) -> None:
-    """One rank of the resharded load (runs in a forked process)."""
-    import datetime
-
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    from trainer.checkpoint import load_tensors
-    from trainer.rank.runtime import Runtime, build_fsdp_model
-
-    torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=RESHARD_TIMEOUT_S / 2)
-    dist.init_process_group("gloo", init_method=f"file://{rdzv_file}", rank=rank, world_size=world_size, timeout=timeout)
-    try:
-        model = build_fsdp_model(cfg.size, Runtime(torch.device("cpu"), "gloo", rank, rank, world_size), cfg.seed)
-        optimizer = torch.optim.AdamW(model.parameters())
-        load_tensors(model, optimizer, Path(path))
-        full_model, full_optim = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if rank == 0:
-            torch.save({"model": full_model, "optim": full_optim}, out)
-        dist.barrier()
-    except (Exception, dcp.CheckpointException) as e:  # DCP's own error is no Exception
-        Path(out).with_name(f"rank{rank}.error").write_text(f"{type(e).__name__}: {e}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def _few(names: list, limit: int = 5) -> str:
