@@ -274,17 +274,22 @@ def log_pipeline_run(
         )
     uri = resolve_tracking_uri(uri or None)
     try:
+        # The check step's own rule: only a name it accepted leads to a run dir. A refused one
+        # (``./victim``) may point at another run's folder, which is never read, logged or retagged.
         name = resolve_run_name(training_run, pipeline_job, pipeline_job_id)
+    except ParameterError as e:  # refused by the check step, which could record nothing under it
+        name, accepted = training_run, False
+        failure, validation = {"step": CHECK_STEP, "reason": f"{type(e).__name__}: {e}"}, None
+    else:
+        accepted = True
         failure, validation = read_record(name, pipeline_job_id)
-    except ParameterError:  # refused by the check step; nothing can have been recorded under it
-        name, failure, validation = training_run, None, None
     if failure is None and state != "SUCCEEDED":  # a step that could not record (killed, or its pod never ran)
         failure = {"step": "unknown", "reason": error_message or f"the pipeline run ended {state}"}
     failed = Failure(failure["step"], failure["reason"]) if failure else None
     tags = mlflow_run_tags(name, backend=backend, pipeline_job=pipeline_job, pipeline_job_id=pipeline_job_id, image=image)
     run_name = mlflow_run_name(name, pipeline_job)
     run_dir = run_root(name) / "run"
-    started = (run_dir / EVENTS_FILE).is_file() and not (failed and failed.step in BEFORE_TRAINING)
+    started = accepted and (run_dir / EVENTS_FILE).is_file() and not (failed and failed.step in BEFORE_TRAINING)
     events = read_events(run_dir) if started else []
     if started:
         report = validation["report"] if validation else None

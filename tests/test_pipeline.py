@@ -670,6 +670,56 @@ def test_a_ui_run_without_a_tracking_uri_is_refused_by_the_first_step_and_logged
     assert not (tmp_path / "workspace" / name / "run").exists(), "nothing was started"
 
 
+def test_the_exit_handler_never_follows_a_refused_name_into_another_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``training_run=./victim`` is refused by the check step; the exit handler then logs a FAILED
+    run of its own that names the refusal, and the run ``victim`` (its folder, its MLflow run) is
+    left exactly as it was."""
+    import mlflow
+
+    from components.check_run import check_run
+    from components.runs import CHECK_STEP, log_pipeline_run
+    from trainer.events import RunEnd, Step
+    from trainer.results.tracking import log_run
+
+    workspace, uri = tmp_path / "workspace", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv(WORKSPACE_ENV, str(workspace))
+    victim_dir = workspace / "victim" / "run"
+    victim_dir.mkdir(parents=True)
+    events = EventLog(victim_dir, 0)
+    events.emit(RunStart(config={"steps": 2}, resumed_from_step=0, world_size=1))
+    events.emit(Step(step=2, loss=2.0, step_time_s=0.1, tokens=100))
+    events.emit(RunEnd(status="completed", step=2))
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    victim_id = log_run(victim_dir, tracking_uri=uri, experiment="ui", tags={"training_run": "victim"}, run_name="victim")
+    before = client.get_run(victim_id)
+    files = {p: p.read_bytes() for p in workspace.rglob("*") if p.is_file()}
+
+    params = {**parameter_defaults(), "training_run": "./victim", "tracking_uri": uri, "experiment": "ui"}
+    params.update(pipeline_job="resilient-fsdp-training-x7k2p", pipeline_job_id="kfp-9")
+    with pytest.raises(ParameterError, match="^training_run: './victim' is not a DNS-1035 label"):
+        check_run.python_func(**params)
+    logged = log_pipeline_run(
+        state="FAILED",
+        error_message="Task exit-handler-1 failed.",
+        training_run="./victim",
+        backend="kubernetes",
+        tracking_uri=uri,
+        experiment="ui",
+        pipeline_job=params["pipeline_job"],
+        pipeline_job_id="kfp-9",
+        image="rfsdp:test",
+    )
+    assert logged.mlflow_run_id != victim_id
+    after = client.get_run(victim_id)
+    assert (after.info.status, after.data.tags, after.data.metrics) == (before.info.status, before.data.tags, before.data.metrics)
+    assert after.info.status == "FINISHED" and FAILED_STEP_TAG not in after.data.tags
+    assert {p: p.read_bytes() for p in workspace.rglob("*") if p.is_file()} == files, "the victim's folder is untouched"
+    own = client.get_run(logged.mlflow_run_id)
+    assert own.info.status == "FAILED" and own.data.tags[FAILED_STEP_TAG] == CHECK_STEP
+    assert own.data.tags[FAILURE_REASON_TAG].startswith("ParameterError: training_run: './victim' is not a DNS-1035 label")
+    assert logged.headline == {}
+
+
 def test_a_quiet_local_run_shows_steps_faults_and_recoveries_and_logs_the_rest(tmp_path: Path) -> None:
     """`steps_to_log` in a process of its own (it takes over the descriptors): what is written to
     stdout and stderr, by it and its children, lands in the log; the terminal gets one line per
