@@ -106,6 +106,28 @@ def run_descriptor(name: str, run_dir: Path) -> dict:
     }
 
 
+def check_training_completed(name: str, run_dir: Path) -> None:
+    """Refuse a job that ended without finishing the run: the train step succeeds only on the
+    latest session's ``run_end completed``, whatever the backend said. A preempted job's ranks
+    all exit 0, and one succeeded worker completes an elastic PyTorchJob: without this check a
+    partly trained run would be validated and logged as finished, and never resumed.
+
+    Raises:
+        RuntimeError: "preempted at step N; start a run with training_run=NAME to resume" (or
+            how else the run ended), which the step records for the exit handler.
+    """
+    from trainer.events import RunEnd, RunStart, latest_end, read_events
+
+    end = latest_end(read_events(run_dir, [RunStart, RunEnd]))
+    if end is not None and end.status == "completed":
+        return
+    resume = f"start a run with training_run={name} to resume"
+    if end is None:
+        raise RuntimeError(f"training ended without a run_end event in {run_dir}; {resume}")
+    at = f" at step {end.step}" if end.step is not None else ""
+    raise RuntimeError(f"{end.status}{at}; {resume}")
+
+
 def handed_on_run(descriptor: Path) -> tuple[Path, int]:
     """The run dir (on this step's view of the shared volume) and checkpoint step a descriptor names."""
     described = json.loads(Path(descriptor).read_text())

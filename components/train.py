@@ -87,7 +87,7 @@ def train(
     import signal
     from pathlib import Path
 
-    from components.runs import TRAIN_STEP, live_tracking, recorded, run_descriptor, run_root
+    from components.runs import TRAIN_STEP, check_training_completed, live_tracking, recorded, run_descriptor, run_root
     from trainer.errors import ParameterError, as_pipeline_parameters
     from trainer.launch.local import BACKENDS, check_run_dir, hold_run_dir, job_from_parameters, launch_local
 
@@ -126,6 +126,9 @@ def train(
             with hold_run_dir(Path(cfg.run_dir)), live_tracking(Path(cfg.run_dir), **tracking):
                 shutil.copytree(data.path, cfg.data, dirs_exist_ok=True)
                 run_pytorchjob(job)
+        # Both backends: a job that ended (exit 0, or Succeeded) without run_end completed was
+        # preempted or stopped, and fails the step with how to resume it.
+        check_training_completed(training_run, Path(cfg.run_dir))
 
     # A reference, not a copy: the run stays on the shared volume, which every step mounts, so the
     # bytes the artifact store moves do not grow with the model.

@@ -462,6 +462,42 @@ def test_train_step_two_replicas_one_rendezvous(data_dir: Path, tmp_path: Path, 
     assert run.metadata["run_dir"] == str(run_dir)
 
 
+@pytest.mark.slow
+def test_a_preempted_local_job_fails_the_train_step_and_is_logged_failed(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole job preempted (SIGTERM to its one replica's container): every rank checkpoints
+    and exits 0, yet the train step fails with how to resume the run, the exit handler logs it
+    FAILED with that reason, and the same training_run resumes it to the end."""
+    import mlflow
+
+    from components.runs import log_pipeline_run
+
+    monkeypatch.setenv(WORKSPACE_ENV, str(tmp_path / "workspace"))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    params = {k: v for k, v in parameter_defaults().items() if k in train.component_spec.inputs}
+    params.update(steps=12, ckpt_every=4, nnodes=1, nproc_per_node=2, fault="sigterm@6:0", backend="local", tracking_uri=uri)
+    params.update(training_run="preempted", pipeline_job="resilient-fsdp-training-p1", pipeline_job_id="kfp-p1")
+    message = "preempted at step 6; start a run with training_run=preempted to resume"
+    with pytest.raises(RuntimeError, match=f"^{message}$"):
+        train.python_func(data=Dataset(uri=str(data_dir)), run=Artifact(uri=str(tmp_path / "run")), **params)
+    assert not (tmp_path / "run").exists(), "nothing handed on to validation"
+    logged = log_pipeline_run(
+        state="FAILED",
+        error_message="Task exit-handler-1 failed.",
+        **{k: params[k] for k in ("training_run", "backend", "tracking_uri", "experiment", "pipeline_job", "pipeline_job_id", "image")},
+    )
+    run = mlflow.MlflowClient(tracking_uri=uri).get_run(logged.mlflow_run_id)
+    assert run.info.status == "FAILED" and run.data.tags[FAILED_STEP_TAG] == TRAIN_STEP
+    assert run.data.tags[FAILURE_REASON_TAG] == f"RuntimeError: {message}"
+    assert message in logged.markdown
+
+    params.update(pipeline_job="resilient-fsdp-training-p2", pipeline_job_id="kfp-p2")  # the fault fired once
+    train.python_func(data=Dataset(uri=str(data_dir)), run=Artifact(uri=str(tmp_path / "run")), **params)
+    run_dir = tmp_path / "workspace" / "preempted" / "run"
+    assert [s.resumed_from_step for s in select(read_events(run_dir), RunStart)] == [0, 6]
+
+
 def _run_local(root: Path, *settings: str) -> subprocess.CompletedProcess:
     """`rfsdp pipeline run-local` in a subprocess (its own kfp.local and environment)."""
     root.parent.mkdir(parents=True, exist_ok=True)
