@@ -403,3 +403,26 @@ def test_soft_fault_in_every_save_phase_recovers_in_process(data_dir: Path, base
     assert losses(run) == losses(baseline_60)
     assert latest_checkpoint(run).name == step_dir_name(60)
     verify_checkpoint(latest_checkpoint(run))
+
+
+def test_a_lost_final_save_fails_the_run_and_run_end_says_what_was_saved(data_dir: Path, tmp_path: Path) -> None:
+    """The last step's save is deleted while it is written (``lose-save``): with no restart left
+    the run is no ``completed`` run (before, ``run_end completed`` came without the checkpoint and
+    ``rfsdp train`` exited 0); with restarts, the job redoes the steps since step 5 and saves again,
+    and ``run_end`` names the checkpoint it ends with."""
+    fault = ("--steps", "10", "--ckpt-every", "5", "--fault", "lose-save@10/write")
+    failed = tmp_path / "no-restarts"
+    proc = train(data_dir, failed, *fault, "--max-restarts", "0", "--max-inprocess-restarts", "0", check=False)
+    assert proc.returncode != 0, proc.stderr[-2000:]
+    events = read_events(failed)
+    assert [e.step for e in events if isinstance(e, CheckpointFailed)] == [10]
+    assert [e.status for e in events if isinstance(e, RunEnd)] == ["failed"]
+    assert latest_checkpoint(failed).name == step_dir_name(5)
+
+    retried = tmp_path / "with-restarts"
+    train(data_dir, retried, *fault)
+    events = read_events(retried)
+    assert [e.step for e in events if isinstance(e, CheckpointFailed)] == [10]
+    (end,) = [e for e in events if isinstance(e, RunEnd)]
+    assert (end.status, end.step, end.saved_step) == ("completed", 10, 10)
+    assert latest_checkpoint(retried).name == step_dir_name(10)

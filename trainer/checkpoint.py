@@ -174,6 +174,8 @@ class Checkpointer:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.pending: _Pending | None = None
+        self.saved_step: int | None = None
+        """The newest checkpoint this session resumed from or published (rank 0; every rank after the last save)."""
         self._warm = False  # the writer has planned (prepared or saved) for this incarnation's state
         self.prepare_s: float | None = None  # how long :meth:`prepare` took, until the first save reports it
         # A generation tag keeps this incarnation's temp dirs apart from a dead one's.
@@ -244,6 +246,7 @@ class Checkpointer:
         """
         path = self.root / step_dir_name(step)
         load(path)
+        self.saved_step = step
         if self.rank == 0 and self.on_published is not None:  # its upload may have been cut (the mirror skips what it has)
             self.on_published(path)
 
@@ -259,8 +262,21 @@ class Checkpointer:
             self.save(step, state)
             if last:
                 self._poll(blocking=True)
+                self._require_saved(step)
         elif not self._warm:
             self.prepare(state)
+
+    def _require_saved(self, step: int) -> None:
+        # The last save of a session (its end, a preemption's) is the one a run ends with: every
+        # rank learns from rank 0 whether it was published, and a lost one fails the session (the
+        # job restarts from the newest checkpoint and saves again, or ends failed) instead of
+        # reporting an end without it.
+        saved = [self.saved_step if self.rank == 0 else None]
+        dist.broadcast_object_list(saved, src=0, group=self.save_group)
+        self.saved_step = saved[0]
+        if self.saved_step != step:
+            newest = f"step {self.saved_step}" if self.saved_step else "none"
+            raise CheckpointWriteError(f"the last checkpoint, of step {step}, was not saved (the newest published: {newest})")
 
     def prepare(self, state: Callable[[], tuple[dict, dict]]) -> None:
         """Warm the writer up for this incarnation's saves (collective): :meth:`step` calls it
@@ -377,6 +393,7 @@ class Checkpointer:
             self._fail(pending, e)
             return
         pending.mark("publish")
+        self.saved_step = pending.step
         self.events.emit(
             Checkpoint(
                 step=pending.step,

@@ -236,13 +236,16 @@ class Restart(Event):
 class RunEnd(Event):
     """The end of a session: ``completed``, ``stopped`` (``--stop-at-step``) or ``preempted``
     (SIGTERM: the step reached is checkpointed) by rank 0, or ``failed`` with ``exit_code`` by
-    the launcher (``rank`` -1) when restarts ran out.
+    the launcher (``rank`` -1) when restarts ran out. ``saved_step``: the step of the checkpoint
+    the run ends with, published (rank 0 writes no end without it: a failed last save fails the
+    session instead).
     """
 
     KIND: ClassVar[str] = "run_end"
     status: str
     step: int | None = None
     exit_code: int | None = None
+    saved_step: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

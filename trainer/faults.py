@@ -18,6 +18,7 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -39,6 +40,7 @@ RANK_KINDS = {
     "corrupt-event": "the rank appends a torn line (no newline, not UTF-8) to events.jsonl (skipped and reported)",
     "enospc": "the rank's next write fails: disk full (the job ends with a fatal event)",
     "corrupt-local": "the rank flips a byte of its newest local snapshot, then raises (in-process restart skips that snapshot)",
+    "lose-save": "with /PHASE: the save's unpublished folder is deleted under it (that save fails; a final one fails the run)",
 }
 NODE_KINDS = {
     "node-loss": "node-loss@STEP:NODE, the replica's host dies (--netns)",
@@ -184,6 +186,9 @@ class FaultInjector:
         if fault.kind == "enospc":  # a real write the kernel refuses: /dev/full always answers ENOSPC
             with open("/dev/full", "wb", buffering=0) as full:
                 full.write(b"the rank's next write")
+        if fault.kind == "lose-save":  # an outside hand (a cleanup job, a volume hiccup) removes the save in progress
+            for tmp in (self.run_dir / "checkpoints").glob(f"step_{step:06d}.tmp*"):
+                shutil.rmtree(tmp, ignore_errors=True)
         if fault.kind == "hang":
             while True:  # blocked inside C (the sleep syscall), as a stuck kernel or driver would be
                 time.sleep(3600)

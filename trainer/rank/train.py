@@ -417,7 +417,7 @@ def _train(
         if status == "completed":  # a run stopped or preempted may be resumed
             local.remove()
     if rt.rank == 0:
-        events.emit(RunEnd(status=status, step=step))
+        events.emit(RunEnd(status=status, step=step, saved_step=checkpointer.saved_step))
     dist.destroy_process_group()
 
 
