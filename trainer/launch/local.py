@@ -28,10 +28,12 @@ from typing import IO, Any, Protocol
 
 from trainer.checkpoint import local_tier_dir, local_tier_root
 from trainer.data.prepare import local_data
+from trainer.data.shards import MANIFEST as DATA_MANIFEST
 from trainer.data.shards import DataError, load_manifest, verify_shards
 from trainer.errors import FATAL_EXIT_CODE, ParameterError, as_pipeline_parameters
 from trainer.events import EventLog, RunEnd, Step, fatal_error, read_events
 from trainer.faults import NodeControl, NodeFault, NodeFaultInjector, parse_fault_spec
+from trainer.fsutil import atomic_write_text, file_sha256
 from trainer.launch.progress import TrainingProgress
 from trainer.launch.spec import LaunchSpec
 from trainer.process import die_with_parent
@@ -113,9 +115,7 @@ def check_launch(cfg: TrainConfig, spec: LaunchSpec, *, verify_data: bool = True
             verify_shards(data, manifest)
     except (DataError, StorageError) as e:
         raise ParameterError("data", str(e)) from e
-    if cfg.checkpoint_uri:
-        check_mirror(cfg)
-    check_run_dir(cfg)
+    check_run_dir(cfg)  # the run dir's and the mirror location's identity: checked, then recorded
     if cfg.local_ckpt_every:
         check_local_tier(cfg, spec, free_bytes=shutil.disk_usage(_existing_parent(local_tier_root())).free)
 
@@ -167,31 +167,82 @@ def _existing_parent(path: Path) -> Path:
     return path
 
 
-def check_run_dir(cfg: TrainConfig) -> None:
-    """Refuse a run dir that holds another trajectory's config (and its checkpoints)."""
-    path = Path(cfg.run_dir) / RUN_CONFIG
-    if path.exists() and (detail := _other_trajectory(json.loads(path.read_text()), cfg)):
-        raise ParameterError("run_dir", f"{cfg.run_dir} belongs to another training config ({detail})")
+DATA_IDENTITY = "data_manifest_sha256"
+"""Key of the data set's identity (the SHA-256 of its manifest) in a run's recorded config."""
 
 
-def check_mirror(cfg: TrainConfig) -> None:
-    """Refuse a ``checkpoint_uri`` that cannot be used, or that mirrors another run: one run's
-    checkpoints are never overwritten or pruned by another's mirror.
+def run_identity(cfg: TrainConfig) -> dict[str, Any]:
+    """What one run is: its trajectory config (``TRAJECTORY_FIELDS``) and the SHA-256 of its data
+    set's manifest (None while the data set is not in place yet, e.g. before a cluster step copies it).
     """
+    ident: dict[str, Any] = {k: getattr(cfg, k) for k in TRAJECTORY_FIELDS}
     try:
-        store = open_storage(cfg.checkpoint_uri)
-        store.check()
-        saved = json.loads(store.read_bytes(RUN_CONFIG)) if store.stat(RUN_CONFIG) is not None else None
-    except (StorageError, json.JSONDecodeError) as e:
-        raise ParameterError("checkpoint_uri", str(e)) from e
-    if saved is not None and (detail := _other_trajectory(saved, cfg)):
-        raise ParameterError("checkpoint_uri", f"{cfg.checkpoint_uri} mirrors another run ({detail})")
+        manifest = local_data(cfg.data, Path(cfg.run_dir)) / DATA_MANIFEST
+    except StorageError:
+        manifest = None
+    ident[DATA_IDENTITY] = file_sha256(manifest) if manifest is not None and manifest.is_file() else None
+    return ident
 
 
-def _other_trajectory(saved: dict, cfg: TrainConfig) -> str:
-    """How a recorded trajectory config differs from ``cfg`` ("" when it is the same)."""
-    differ = [k for k in TRAJECTORY_FIELDS if saved.get(k) != getattr(cfg, k)]
-    return ", ".join(f"{k}: {saved.get(k)!r} there, {getattr(cfg, k)!r} now" for k in differ)
+def check_run_dir(cfg: TrainConfig) -> None:
+    """Check, then record, the run's identity (:func:`run_identity`) in the run dir's ``config.json``
+    and, with a ``checkpoint_uri``, at the mirror location (its ``config.json``): before any
+    process or pod starts, on every backend (``launch_local`` through ``check_launch``; the
+    kubernetes train step before it submits the PyTorchJob). A location that records another
+    identity is refused, naming what differs, and nothing is written anywhere; one that records
+    none gets this run's. So a rerun with another config, or another run (other data included)
+    on the same mirror location, is refused before its first step.
+
+    Raises:
+        ParameterError: naming ``run_dir`` or ``checkpoint_uri``.
+    """
+    ident = run_identity(cfg)
+    path = Path(cfg.run_dir) / RUN_CONFIG
+    local = _read_identity(path) if path.exists() else None
+    if local is not None and (detail := _other_identity(local, ident)):
+        raise ParameterError("run_dir", f"{cfg.run_dir} belongs to another training config ({detail})")
+    store = remote = None
+    if cfg.checkpoint_uri:
+        try:
+            store = open_storage(cfg.checkpoint_uri)
+            store.check()
+            remote = json.loads(store.read_bytes(RUN_CONFIG)) if store.stat(RUN_CONFIG) is not None else None
+        except (StorageError, json.JSONDecodeError) as e:
+            raise ParameterError("checkpoint_uri", str(e)) from e
+        if not isinstance(remote, dict | None):
+            raise ParameterError("checkpoint_uri", f"{store.url(RUN_CONFIG)} is not a run's config")
+        if remote is not None and (detail := _other_identity(remote, ident)):
+            raise ParameterError("checkpoint_uri", f"{cfg.checkpoint_uri} mirrors another run ({detail})")
+    record = json.dumps(ident, indent=2)
+    if local is None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, record)
+    if store is not None and remote is None:
+        try:
+            store.write_bytes(RUN_CONFIG, record.encode())
+        except StorageError as e:
+            raise ParameterError("checkpoint_uri", str(e)) from e
+
+
+def _read_identity(path: Path) -> dict:
+    try:
+        saved = json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise ParameterError("run_dir", f"{path} is not a run's config ({e})") from None
+    if not isinstance(saved, dict):
+        raise ParameterError("run_dir", f"{path} is not a run's config")
+    return saved
+
+
+def _other_identity(saved: dict, ident: dict) -> str:
+    """How a recorded identity differs from ``ident`` ("" when it is the same; a data identity
+    recorded by neither side, or by an older version, is not compared).
+    """
+    differ = [f"{k}: {saved.get(k)!r} there, {ident[k]!r} now" for k in TRAJECTORY_FIELDS if saved.get(k) != ident[k]]
+    theirs, mine = saved.get(DATA_IDENTITY), ident[DATA_IDENTITY]
+    if theirs is not None and mine is not None and theirs != mine:
+        differ.append(f"data: manifest sha256 {str(theirs)[:12]}... there, {mine[:12]}... now")
+    return ", ".join(differ)
 
 
 RUN_DIR_LOCK = ".lock"
@@ -314,8 +365,6 @@ def launch_local(
         raise ParameterError("fault", f"{node_faults[0].kind} needs every replica on its own host (--netns)")
     run_dir = Path(cfg.run_dir)
     with hold_run_dir(run_dir) as lock_fd:  # held by the replicas too: the run dir is theirs while any of them lives
-        if not (run_dir / RUN_CONFIG).exists():
-            (run_dir / RUN_CONFIG).write_text(json.dumps({k: getattr(cfg, k) for k in TRAJECTORY_FIELDS}, indent=2))
         log_dir = Path(log_dir or run_dir / "logs")
         log_dir.mkdir(parents=True, exist_ok=True)
         job_id = f"rfsdp-{os.getpid()}"

@@ -4,7 +4,9 @@ Remote layout under ``--checkpoint-uri`` (a remote run dir, readable by ``traine
 
     <uri>/checkpoints/step_000120/...   the files a checkpoint's manifest lists, manifest.json last
     <uri>/checkpoints/latest            names the newest checkpoint whose every object is verified
-    <uri>/config.json, events.jsonl     copies of the run dir's, refreshed after each mirrored checkpoint
+    <uri>/config.json                   the owning run's identity (trajectory config + data manifest
+                                        sha256), written by the launcher before the first step
+    <uri>/events.jsonl                  a copy of the run dir's, refreshed after each mirrored checkpoint
 
 Rank 0 hands every published (durable) local checkpoint to :class:`CheckpointMirror`, whose
 background thread uploads it while training goes on. The remote ``latest`` moves only after every
@@ -24,7 +26,16 @@ from pathlib import Path
 from trainer.checkpoint import CHECKPOINTS, LATEST, MANIFEST, CheckpointError, verify_checkpoint
 from trainer.events import EVENTS_FILE, EventLog, Mirror, MirrorFailed, MirrorRestore, RunWarning
 from trainer.fsutil import atomic_write_text
-from trainer.storage.store import RUN_FILES, Storage, StorageError, download_checkpoint, open_storage, remote_checkpoints, remote_latest
+from trainer.storage.store import (
+    RUN_FILES,
+    BadLatest,
+    Storage,
+    StorageError,
+    download_checkpoint,
+    open_storage,
+    remote_checkpoints,
+    remote_latest,
+)
 
 FINAL_WAIT_S = 120.0
 """How long the end of a run waits for its last checkpoint to be mirrored."""
@@ -93,15 +104,25 @@ class CheckpointMirror:
         manifest and with ``verify_checkpoint``, and only then renamed to ``step_NNNNNN`` and made
         ``latest``. A bad one is skipped with a ``warning`` event. The remote ``events.jsonl`` is
         copied too when the local run dir has none, so the run's history stays whole.
+
+        A remote ``latest`` that names no checkpoint (garbage, not UTF-8) is repaired like a local
+        one: ignored, every remote checkpoint is a candidate, newest first, and the one restored
+        gets a ``warning`` event (``latest_repaired``, ``was`` what the marker held).
         """
-        latest = remote_latest(self.store)
-        if latest is None:
+        try:
+            latest, bad = remote_latest(self.store), None
+        except BadLatest as e:
+            latest, bad = None, e.text
+        if latest is None and bad is None:
+            return None
+        candidates = list(reversed(remote_checkpoints(self.store, upto=latest)))
+        if not candidates:
             return None
         root = self.run_dir / CHECKPOINTS
         root.mkdir(parents=True, exist_ok=True)
         if not (self.run_dir / EVENTS_FILE).exists() and self.store.stat(EVENTS_FILE) is not None:
             self.store.download(EVENTS_FILE, self.run_dir / EVENTS_FILE)
-        for step, name in reversed(remote_checkpoints(self.store, upto=latest)):
+        for step, name in candidates:
             t0 = time.perf_counter()
             tmp = root / f"{name}.tmp-download"  # removed as stale by the Checkpointer if we die here
             shutil.rmtree(tmp, ignore_errors=True)
@@ -118,6 +139,8 @@ class CheckpointMirror:
             self.events.emit(
                 MirrorRestore(step=step, uri=self.store.url(f"{CHECKPOINTS}/{name}"), bytes=nbytes, download_s=time.perf_counter() - t0)
             )
+            if bad is not None:
+                self.events.emit(RunWarning(kind="latest_repaired", step=step, was=f"remote {bad!r}"))
             return step
         return None
 
@@ -176,7 +199,11 @@ class CheckpointMirror:
         there: only the run's files are brought up to date.
         """
         manifest = json.loads((checkpoint / MANIFEST).read_text())
-        if remote_latest(self.store) == checkpoint.name:
+        try:
+            latest = remote_latest(self.store)
+        except BadLatest:  # names no checkpoint: this upload replaces it
+            latest = None
+        if latest == checkpoint.name:
             self._upload_run_files()
             return sum(rec["size"] for rec in manifest["files"].values())
         prefix = f"{CHECKPOINTS}/{checkpoint.name}"
@@ -189,13 +216,27 @@ class CheckpointMirror:
             if info is None or info.size != rec["size"] or info.sha256 not in (None, rec["sha256"]):
                 raise StorageError(f"{self.store.url(f'{prefix}/{name}')}: uploaded object does not match the manifest")
         self.store.write_bytes(f"{CHECKPOINTS}/{LATEST}", (checkpoint.name + "\n").encode())
-        self._retain(checkpoint.name)
+        self._retain(checkpoint.name, manifest.get("fingerprint"))
         self._upload_run_files()
         return sum(rec["size"] for rec in manifest["files"].values())
 
-    def _retain(self, latest: str) -> None:
-        old = remote_checkpoints(self.store, upto=latest)[: -self.keep_last]
-        self.store.delete([key for _, name in old for key in self.store.list(f"{CHECKPOINTS}/{name}")])
+    def _retain(self, latest: str, fingerprint: str | None) -> None:
+        """Delete the remote checkpoints older than the newest ``keep_last``: only this run's (a
+        complete one whose manifest names another training config is never touched; the launcher
+        refuses a location another run owns, this is the second line of defence).
+        """
+        old = [name for _, name in remote_checkpoints(self.store, upto=latest)[: -self.keep_last] if self._ours(name, fingerprint)]
+        self.store.delete([key for name in old for key in self.store.list(f"{CHECKPOINTS}/{name}")])
+
+    def _ours(self, name: str, fingerprint: str | None) -> bool:
+        key = f"{CHECKPOINTS}/{name}/{MANIFEST}"
+        if self.store.stat(key) is None:
+            return True  # a partial upload (the manifest goes last): only this run uploads here
+        try:
+            theirs = json.loads(self.store.read_bytes(key)).get("fingerprint")
+        except (StorageError, ValueError, AttributeError):
+            return False  # unreadable: not known to be ours, kept
+        return theirs == fingerprint
 
     def _upload_run_files(self) -> None:
         for name in RUN_FILES:

@@ -429,21 +429,41 @@ def download_checkpoint(store: Storage, name: str, dest: Path, *, skip_corrupt: 
     return dest
 
 
+_CHECKPOINT_NAME = re.compile(r"step_\d{6}")
+
+
 def remote_latest(store: Storage) -> str | None:
-    """The checkpoint name the remote ``checkpoints/latest`` marker names (None without one)."""
+    """The checkpoint name the remote ``checkpoints/latest`` marker names (None without one).
+
+    Raises:
+        BadLatest: the marker holds anything but a checkpoint's name (garbage, not UTF-8, a path):
+            callers ignore it with a warning and use the newest checkpoint that verifies, as
+            resume does with a bad local ``latest``.
+    """
     if store.stat(f"{CHECKPOINTS}/{LATEST}") is None:
         return None
-    return check_key(store.uri, store.read_bytes(f"{CHECKPOINTS}/{LATEST}").decode().strip())
+    text = store.read_bytes(f"{CHECKPOINTS}/{LATEST}").decode("utf-8", errors="backslashreplace").strip()
+    if not _CHECKPOINT_NAME.fullmatch(text):
+        raise BadLatest(f"{store.url(f'{CHECKPOINTS}/{LATEST}')} names no checkpoint ({text[:40]!r})", text)
+    return text
 
 
-def remote_checkpoints(store: Storage, *, upto: str) -> list[tuple[int, str]]:
-    """Remote checkpoint dirs up to (including) ``upto``, as ``(step, name)`` oldest first (newer
-    ones may be partial uploads).
+class BadLatest(StorageError):
+    """The remote ``latest`` marker names no checkpoint; ``text`` is what it holds (printable)."""
+
+    def __init__(self, message: str, text: str) -> None:
+        super().__init__(message)
+        self.text = text
+
+
+def remote_checkpoints(store: Storage, *, upto: str | None) -> list[tuple[int, str]]:
+    """Remote checkpoint dirs up to (including) ``upto`` (every one with ``None``), as
+    ``(step, name)`` oldest first (newer ones may be partial uploads).
     """
-    limit = int(upto.removeprefix("step_"))
+    limit = int(upto.removeprefix("step_")) if upto is not None else None
     names = {key.split("/")[1] for key in store.list(CHECKPOINTS) if key.count("/") >= 2}
-    steps = sorted(int(n.removeprefix("step_")) for n in names if re.fullmatch(r"step_\d{6}", n))
-    return [(s, step_dir_name(s)) for s in steps if s <= limit]
+    steps = sorted(int(n.removeprefix("step_")) for n in names if _CHECKPOINT_NAME.fullmatch(n))
+    return [(s, step_dir_name(s)) for s in steps if limit is None or s <= limit]
 
 
 def fetch_run_dir(uri: str, dest: Path) -> Path:
@@ -462,11 +482,17 @@ def fetch_run_dir(uri: str, dest: Path) -> Path:
     for name in RUN_FILES:
         if store.stat(name) is not None:
             store.download(name, dest / name)
-    latest = remote_latest(store)
-    if latest is not None:
+    try:
+        latest = remote_latest(store)
+    except BadLatest as e:  # copied as it is: the local copy shows the remote one's damage
+        latest, bad = None, e.text
+    else:
+        bad = None
+    if latest is not None or bad is not None:
         root = dest / CHECKPOINTS
         for _, name in remote_checkpoints(store, upto=latest):
             shutil.rmtree(root / name, ignore_errors=True)
             download_checkpoint(store, name, root / name, skip_corrupt=True)
-        (root / LATEST).write_text(latest + "\n")
+        root.mkdir(parents=True, exist_ok=True)
+        (root / LATEST).write_text((latest or bad) + "\n")
     return dest
