@@ -7,6 +7,10 @@ Creating, following, cancelling and running the job: tests/test_cluster.py, on t
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 from kubernetes import client as k8s
@@ -15,9 +19,11 @@ from pipelines.resilient_fsdp import check_parameters, pytorchjob_manifest
 from trainer.checkpoint import SIGNING_KEY_ENV
 from trainer.emulation.apiserver import ApiError, CrdSchema, webhook_violations
 from trainer.emulation.operator import operator_env as injected_env
+from trainer.errors import ParameterError, as_pipeline_parameters
 from trainer.launch import CREDENTIAL_SECRETS
 from trainer.launch.k8s import build_pytorchjob, cluster_options, shared_paths
-from trainer.launch.local import job_from_parameters, operator_env, worker_command
+from trainer.launch.local import check_run_dir, job_from_parameters, operator_env, worker_command
+from trainer.rank.config import TrainConfig
 
 TRACKED = {"tracking_uri": "http://mlflow.example"}  # a kubernetes run needs one
 
@@ -114,3 +120,36 @@ def test_the_operator_env_with_a_master_replica() -> None:
         "WORLD_SIZE": "12", "RANK": "2", "PET_NODE_RANK": "2",
         "PET_NNODES": "3", "PET_NPROC_PER_NODE": "4",
     }  # fmt: skip
+
+
+def test_a_kubernetes_rerun_with_another_config_is_refused_before_the_job_is_submitted(data_dir: Path, tmp_path: Path) -> None:
+    """Issue 34, item 5. Reproduction: a 30-step run, then a 40-step rerun of the same run dir on the
+    kubernetes backend (no config.json was ever written there): the rerun skipped the old
+    checkpoints, trained from step 0 and had its newest checkpoint deleted by retention. The train
+    step's check before it submits the PyTorchJob (``check_run_dir``, the local backend's too) now
+    records the config on the first run and refuses the rerun, naming the parameter."""
+
+    def train_step_check(steps: int, checkpoint_uri: str = "") -> TrainConfig:
+        # What components/train.py does on the kubernetes backend before run_pytorchjob.
+        params = check_parameters({"steps": steps, "backend": "kubernetes", **TRACKED})
+        data, run_dir = shared_paths("exp-1")
+        job_cfg, spec = job_from_parameters(params, data=data, run_dir=run_dir)
+        build_pytorchjob(job_cfg, spec, cluster_options({**params, "training_run": "exp-1"}))
+        cfg = dataclasses.replace(job_cfg, data=str(data_dir), run_dir=str(tmp_path / "run"), checkpoint_uri=checkpoint_uri)
+        with as_pipeline_parameters():
+            check_run_dir(cfg)
+        return cfg
+
+    train_step_check(30)
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["steps"] == 30  # recorded before any pod starts
+    with pytest.raises(ParameterError, match=r"^run_dir: .* belongs to another training config \(steps: 30 there, 40 now\)"):
+        train_step_check(40)
+    train_step_check(30)  # the same run again: accepted
+
+    # Its mirror location is claimed and checked on this backend too.
+    mirror = str(tmp_path / "mirror")
+    train_step_check(30, mirror)
+    assert json.loads((tmp_path / "mirror" / "config.json").read_text())["steps"] == 30
+    shutil.rmtree(tmp_path / "run")
+    with pytest.raises(ParameterError, match=r"^checkpoint_uri: .* mirrors another run \(steps: 30 there, 40 now\)"):
+        train_step_check(40, mirror)
