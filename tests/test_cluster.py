@@ -456,3 +456,27 @@ def test_run_local_runs_the_whole_pipeline_through_the_emulated_cluster(tmp_path
     restarts = select(events, Restart)
     for layer in ("in_process", "in_job"):
         assert logged.data.metrics[f"restarts_{layer}"] == len([r for r in restarts if r.layer == layer])
+
+
+@pytest.mark.slow
+def test_a_preempted_pytorchjob_fails_the_train_step_and_is_logged_failed(tmp_path: Path) -> None:
+    """A 2-node PyTorchJob preempted (the sigterm fault: worker 0's container gets SIGTERM): the
+    ranks checkpoint step 6 and exit 0, and the elastic job ends Succeeded, yet the train step fails
+    with how to resume the run, and MLflow holds a FAILED run with that reason (never a FINISHED,
+    validated partial model)."""
+    import mlflow
+
+    settings = ["backend=kubernetes", "training_run=preempted", "nnodes=2", "nproc_per_node=1", "steps=12", "ckpt_every=4"]
+    settings += ["fault=sigterm@6:0", "hang_timeout=6"]
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    sets = [arg for s in settings for arg in ("--set", s)]
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
+    root = tmp_path / "root"
+    cli = [sys.executable, "-m", "trainer.cli", "pipeline", "run-local", "--root", str(root), *sets]
+    proc = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert "'train'" in proc.stderr and "validate-checkpoint: started" not in proc.stdout, proc.stdout[-3000:]
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("resilient-fsdp").experiment_id])
+    assert run.info.status == "FAILED" and run.data.tags["rfsdp.failed_step"] == "train"
+    assert run.data.tags["rfsdp.failure_reason"] == "RuntimeError: preempted at step 6; start a run with training_run=preempted to resume"
