@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
+from trainer.checkpoint_load import load_tensors, read_full_state, read_rank_state  # noqa: F401 (re-exported)
 from trainer.checkpoint_trust import (  # noqa: F401 (re-exported: trainer.checkpoint is where readers find them)
     MANIFEST,
     SIGNING_KEY_ENV,
@@ -69,6 +69,18 @@ so each gets a root of its own, which its node loss wipes (``trainer.emulation.n
 def local_tier_root() -> Path:
     """This node's folder of every run's local tier (``LOCAL_TIER_ROOT_ENV``, else ``LOCAL_TIER_ROOT``)."""
     return Path(os.environ.get(LOCAL_TIER_ROOT_ENV) or LOCAL_TIER_ROOT)
+
+
+WRITE_FLOOR_BYTES_PER_S = 20e6
+"""The slowest a healthy background write of a rank's shard is taken to be (20 MB/s): below any
+shared volume's write and a SHA-256 pass on one core (hundreds of MB/s), with room for a slow NFS
+mount. While the loop waits for a write, the ranks sleep, so the low-priority writer has the CPUs."""
+
+
+class CheckpointWriterHung(RuntimeError):
+    """A background write did not end within its bound (:meth:`Checkpointer.write_bound`): the
+    writer counts as hung, is stopped, and the session fails (a restart starts a fresh writer).
+    """
 
 
 class UnsignedResumeError(CheckpointError, NonTransientError):
@@ -137,6 +149,7 @@ class Checkpointer:
         fingerprint: str,
         save_group: dist.ProcessGroup | None = None,
         heartbeat: Callable[[], None] = lambda: None,
+        hang_timeout: float | None = None,
         on_published: Callable[[Path], None] | None = None,
         on_phase: Callable[[int, str], None] | None = None,
         atomic: Callable[[], AbstractContextManager] = nullcontext,
@@ -155,6 +168,8 @@ class Checkpointer:
                 timeout bounds how long a rank waits there for a peer that has faulted.
             heartbeat: called while waiting for a write and through a writer's long work
                 (``SaveHooks.alive``), so neither is taken for a hang.
+            hang_timeout: the run's hang timeout (seconds): the least a wait for a background write
+                is bounded by (:meth:`write_bound`); None: no bound.
             on_published: receives each published checkpoint directory (rank 0).
             on_phase: called with ``(step, phase)`` as a save reaches each of ``SAVE_PHASES``.
             atomic: see ``SaveHooks.atomic``.
@@ -170,6 +185,8 @@ class Checkpointer:
         self.keep_last = keep_last
         self.fingerprint = fingerprint
         self.heartbeat = heartbeat
+        self.hang_timeout = hang_timeout
+        self._write_bytes = 0  # this rank's tensor bytes in the last write started
         self.on_published = on_published
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -309,6 +326,7 @@ class Checkpointer:
         self._poll(blocking=True)
         pending.mark("wait")
         tensors, rank_state = state()
+        self._write_bytes = _state_bytes(tensors)
         pending.mark("collect")
         pending.tmp_dir.mkdir(parents=True, exist_ok=True)
         _save_durably(rank_state, pending.tmp_dir / rank_state_file(self.rank))
@@ -361,12 +379,15 @@ class Checkpointer:
         pending = self.pending
         if pending is None and not blocking:
             return
+        bound, waited_since = self.write_bound(), time.monotonic()
         try:
             # A blocking wait is a loop of non-blocking polls (collectives that end on the same
             # iteration everywhere) so the rank keeps its heartbeat while the write finishes.
             while not self.writer.poll(self.save_group):
                 if not blocking:
                     return
+                if bound is not None and self._agree(time.monotonic() - waited_since > bound):
+                    self._hung(pending, bound)
                 self.heartbeat()
                 time.sleep(0.05)
         except CheckpointWriteError as e:
@@ -383,6 +404,36 @@ class Checkpointer:
         if self.rank == 0:
             with self.atomic():  # local and short: another rank's fault must not cut a publication in half
                 self._publish_and_report(pending)
+
+    def write_bound(self) -> float | None:
+        """How long the loop waits for a background write before the writer counts as hung:
+        ``max(hang_timeout, bytes / WRITE_FLOOR_BYTES_PER_S)`` for this rank's bytes of the last
+        write started (None without a hang timeout). A write has run in the background since its
+        hand-off already; the bound starts when the loop begins to wait for it.
+        """
+        if self.hang_timeout is None:
+            return None
+        return max(self.hang_timeout, self._write_bytes / WRITE_FLOOR_BYTES_PER_S)
+
+    def _agree(self, mine: bool) -> bool:
+        # True on every rank if it is on any (each rank's clock and bound are its own).
+        flag = torch.tensor([int(mine)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.save_group)
+        return bool(flag.item())
+
+    def _hung(self, pending: _Pending | None, bound: float) -> None:
+        # Every rank alike: stop the writer (what it holds is never published) and fail the session.
+        self.writer.abandon()
+        self.pending = None
+        what = f"the write of step {pending.step}" if pending is not None else "an earlier write"
+        error = f"checkpoint writer hung: {what} did not end within {bound:.0f} s of waiting (max(hang timeout, size / 20 MB/s))"
+        if self.rank == 0:
+            if pending is not None:
+                self.events.emit(CheckpointFailed(step=pending.step, mode=self.writer.mode, error=error))
+                shutil.rmtree(pending.tmp_dir, ignore_errors=True)
+            else:
+                self.events.emit(RunWarning(kind="checkpoint_writer_hung", step=self.saved_step or 0, reason=error))
+        raise CheckpointWriterHung(error)
 
     def _publish_and_report(self, pending: _Pending) -> None:
         try:
@@ -448,6 +499,18 @@ class Checkpointer:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def _state_bytes(tree: object) -> int:
+    """The bytes of a nested state's tensors this rank holds (a DTensor's local shard)."""
+    if isinstance(tree, dict):
+        return sum(_state_bytes(v) for v in tree.values())
+    if isinstance(tree, list | tuple):
+        return sum(_state_bytes(v) for v in tree)
+    if isinstance(tree, torch.Tensor):
+        local = tree.to_local() if hasattr(tree, "to_local") else tree
+        return local.numel() * local.element_size()
+    return 0
+
+
 def _save_durably(obj: object, path: Path) -> None:
     with open(path, "wb") as f:
         torch.save(obj, f)
@@ -499,43 +562,3 @@ def _is_signed(path: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(manifest, dict) and "signature" in manifest
-
-
-def load_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path, group: dist.ProcessGroup | None = None) -> None:
-    """Load a checkpoint's model and optimizer tensors into an FSDP model (DCP reshards to any
-    world size), through :func:`open_checkpoint`: each rank verifies the manifest and every
-    file it reads.
-    """
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    tensors = {"model": model_sd, "optim": optim_sd}
-    checkpoint = open_checkpoint(path)
-    checkpoint.metadata()  # verified and read here, so that a bad one raises as itself (DCP would wrap it)
-    dcp.load(tensors, storage_reader=checkpoint.storage_reader(), process_group=group)
-    set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"])
-
-
-def read_rank_state(path: Path, rank: int) -> dict:
-    """A rank's small state (``rank<R>.pt``) of a published checkpoint, through :func:`open_checkpoint`."""
-    return open_checkpoint(path).rank_state(rank)
-
-
-def read_full_state(path: Path) -> dict:
-    """A published checkpoint's tensors as one unsharded state dict, in a single process with
-    no process group (DCP reshards on load), through :func:`open_checkpoint`.
-    """
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    checkpoint = open_checkpoint(path)
-    checkpoint.metadata()  # verified and read here, so that a bad one raises as itself (DCP would wrap it)
-    state: dict = {}
-    try:
-        _load_state_dict(state, storage_reader=checkpoint.storage_reader(), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    except dcp.CheckpointException as e:  # one process: its own error, as itself
-        cause = next((f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()), None)
-        if isinstance(cause, CheckpointError):
-            raise cause from e
-        raise
-    return state

@@ -93,6 +93,11 @@ class CheckpointWriter(Protocol):
         another group (an earlier incarnation's, after a fault) is never finalized.
         """
 
+    def abandon(self) -> None:
+        """Stop a background write that counts as hung (:class:`trainer.checkpoint.CheckpointWriterHung`):
+        end whatever runs it, so that :meth:`poll` finds nothing busy and the next write has a fresh one.
+        """
+
     def close(self) -> None:
         """Release background resources."""
 
@@ -148,6 +153,9 @@ class SyncDcpWriter:
     def poll(self, group: dist.ProcessGroup) -> bool:
         """Always done: the write happened inside :meth:`start`."""
         return True
+
+    def abandon(self) -> None:
+        """Nothing runs in the background."""
 
     def close(self) -> None:
         """Nothing to release."""

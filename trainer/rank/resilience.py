@@ -401,6 +401,18 @@ class AsyncCheckpointWriter:
         current.copy = None
         return copy.seconds, waited
 
+    def abandon(self) -> None:
+        """Kill the background worker (stopped or stuck in a write: SIGKILL ends it either way; the
+        processes it forked die with it). What it was writing is never finalized; the next write
+        starts a new worker.
+        """
+        caller = self._caller
+        if caller is None or caller.process is None:
+            return
+        with contextlib.suppress(OSError):
+            caller.process.kill()
+        caller.process.join(5)
+
     def close(self) -> None:
         """Stop the background worker once it has finished what it was given."""
         caller, self._caller = self._caller, None

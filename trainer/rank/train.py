@@ -367,7 +367,7 @@ def _train(
 
     checkpointer = Checkpointer(
         run_dir, writer=writer, group=ckpt_group, save_group=save_group, events=events, every=cfg.ckpt_every,
-        keep_last=cfg.keep_last, fingerprint=cfg.trajectory_hash(), heartbeat=alive_within_work,
+        keep_last=cfg.keep_last, fingerprint=cfg.trajectory_hash(), heartbeat=alive_within_work, hang_timeout=cfg.hang_timeout,
         on_published=mirror.submit if mirror else None, on_phase=faults.maybe_fire, atomic=attempt.atomic,
     )  # fmt: skip
 
