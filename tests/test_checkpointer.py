@@ -9,6 +9,7 @@ import datetime
 import json
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -405,6 +406,9 @@ def test_with_a_signing_key_only_signed_checkpoints_load(one_rank: None, tmp_pat
     assert checkpointer(tmp_path, FakeWriter()).load_latest(loaded.append) == 3  # the altered one is skipped
     skipped, repaired = select(read_events(tmp_path), RunWarning)
     assert (skipped.kind, skipped.step, repaired.kind) == ("checkpoint_skipped", 6, "latest_repaired")
+    aside = newest.with_name(f"{newest.name}.rejected")
+    assert aside.is_dir() and not newest.exists(), "the rejected one is set aside"
+    aside.rename(newest)
 
     monkeypatch.setenv(SIGNING_KEY_ENV, "another key")
     with pytest.raises(CheckpointError, match="signature that does not match"):
@@ -438,3 +442,45 @@ def test_resume_offers_its_checkpoint_to_the_mirror_once(one_rank: None, tmp_pat
         return (remote / CHECKPOINTS / step_dir_name(6) / "__0_0.distcp").stat().st_mtime_ns
 
     assert resume() == resume()  # the second resume found it there and uploaded nothing
+
+
+def test_retention_counts_only_what_resume_accepts(one_rank: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a signing-key rotation, and for a rerun with another config, resume rejects the older
+    run's checkpoints, which are newer than anything of the new one. Before, retention counted
+    them and deleted the new run's newest checkpoints as they were published; now they are set
+    aside (``step_N.rejected``, kept) and the new run keeps its own newest ``keep_last``."""
+    monkeypatch.setenv(SIGNING_KEY_ENV, "the old key")
+    run_steps(checkpointer(tmp_path, FakeWriter()), last=30)
+    assert [s for s, _ in published_checkpoints(tmp_path / CHECKPOINTS)] == [27, 30]
+    monkeypatch.setenv(SIGNING_KEY_ENV, "the new key")
+    ckpt = checkpointer(tmp_path, FakeWriter())
+    assert ckpt.find_latest() == 0
+    assert sorted(p.name for p in (tmp_path / CHECKPOINTS).glob("*.rejected")) == ["step_000027.rejected", "step_000030.rejected"]
+    run_steps(ckpt, last=7)
+    assert [s for s, _ in published_checkpoints(tmp_path / CHECKPOINTS)] == [6, 7]
+    assert latest_checkpoint(tmp_path).name == step_dir_name(7)
+    verify_checkpoint(latest_checkpoint(tmp_path))
+
+    rerun = Checkpointer(
+        tmp_path, writer=FakeWriter(), group=new_group(), events=EventLog(tmp_path, 0), fingerprint="g", every=3, keep_last=2
+    )
+    assert rerun.find_latest() == 0  # another config's checkpoints
+    run_steps(rerun, last=4)
+    assert [s for s, _ in published_checkpoints(tmp_path / CHECKPOINTS)] == [3, 4]
+    assert len(list((tmp_path / CHECKPOINTS).glob("step_*.rejected*"))) == 4  # kept, none counted
+
+
+def test_retention_never_deletes_latest_nor_anything_newer(one_rank: None, tmp_path: Path) -> None:
+    """A checkpoint newer than the one just published (this run never checked it) and the one
+    ``latest`` names stay, whatever ``keep_last`` says."""
+    run_steps(checkpointer(tmp_path, FakeWriter(), keep_last=1), last=3)
+    shutil.copytree(tmp_path / CHECKPOINTS / step_dir_name(3), tmp_path / CHECKPOINTS / step_dir_name(50))
+    ckpt = checkpointer(tmp_path, FakeWriter(), keep_last=1)
+    ckpt.save(6, lambda: state(6))
+    ckpt.finish()
+    assert [s for s, _ in published_checkpoints(tmp_path / CHECKPOINTS)] == [6, 50]
+    run_steps(checkpointer(tmp_path / "b", FakeWriter(), keep_last=1), last=6)
+    (tmp_path / "b" / CHECKPOINTS / "latest").write_text(step_dir_name(3) + "\n")
+    shutil.copytree(tmp_path / CHECKPOINTS / step_dir_name(6), tmp_path / "b" / CHECKPOINTS / step_dir_name(3))
+    checkpointer(tmp_path / "b", FakeWriter(), keep_last=1)._retain(6)  # latest names step 3: it stays
+    assert [s for s, _ in published_checkpoints(tmp_path / "b" / CHECKPOINTS)] == [3, 6]

@@ -218,7 +218,8 @@ class Checkpointer:
     def find_latest(self) -> int:
         """The step of the newest published checkpoint that verifies, on every rank (0: none).
 
-        Invalid checkpoints are skipped with a ``warning`` event: verified as
+        Invalid checkpoints are skipped with a ``warning`` event and set aside
+        (``step_N.rejected``: kept, never loaded or counted by retention): verified as
         :func:`open_checkpoint` does, every checksum, and DCP's ``.metadata`` read (restricted).
         ``latest`` is pointed at the chosen one if it names another (rank 0 died between
         publishing and moving it) or is corrupt. A run whose checkpoints are signed does not
@@ -246,7 +247,8 @@ class Checkpointer:
             try:
                 open_checkpoint(path, fingerprint=self.fingerprint, world_size=self.world_size, checksums=True).metadata()
             except CheckpointError as e:
-                self.events.emit(RunWarning(kind="checkpoint_skipped", step=step, reason=str(e)))
+                aside = self._set_aside(path)
+                self.events.emit(RunWarning(kind="checkpoint_skipped", step=step, reason=f"{e} (set aside as {aside.name})"))
                 continue
             chosen = step
             break
@@ -484,14 +486,33 @@ class Checkpointer:
         tmp.rename(final)
         fsync_dir(self.root)
         atomic_write_text(self.root / LATEST, final.name + "\n")
-        self._retain()
+        self._retain(pending.step)
         return final
 
-    def _retain(self) -> None:
-        for _, path in published_checkpoints(self.root)[: -self.keep_last]:
-            shutil.rmtree(path, ignore_errors=True)
+    def _retain(self, newest: int) -> None:
+        # Keeps the newest ``keep_last`` up to ``newest`` (just published: the newest loadable
+        # one), never what ``latest`` names, nor anything newer than ``newest``, which this run
+        # did not check. Checkpoints resume rejected were set aside (``.rejected``) and count not.
+        latest = latest_checkpoint(self.root.parent)
+        counted = [path for step, path in published_checkpoints(self.root) if step <= newest]
+        for path in counted[: -self.keep_last]:
+            if latest is None or path.name != latest.name:
+                shutil.rmtree(path, ignore_errors=True)
         for path in self.root.glob("step_*.invalid*"):
             shutil.rmtree(path, ignore_errors=True)
+
+    def _set_aside(self, path: Path) -> Path:
+        # A checkpoint resume rejected (damaged, another config, signed with another key) is kept
+        # for whoever looks into it, under a name no reader or retention counts: ``step_N.rejected``.
+        aside = path.with_name(f"{path.name}.rejected")
+        if aside.exists():
+            aside = path.with_name(f"{path.name}.rejected{self.generation}")
+        try:
+            path.rename(aside)
+        except OSError:  # left where it is (and counted), rather than ending the resume
+            return path
+        fsync_dir(self.root)
+        return aside
 
     def _remove_stale_temp_dirs(self) -> None:
         # Unpublished saves of dead generations can never be completed.
