@@ -381,6 +381,29 @@ def test_the_step_fails_with_the_jobs_reason_and_deletes_the_failed_job(cluster:
     assert lines[-1] == f"deleted PyTorchJob {NS}/broken"
 
 
+def test_a_rerun_deletes_the_ended_job_of_its_name_and_refuses_a_live_one(cluster: Cluster) -> None:
+    """A preempted run's PyTorchJob ends Succeeded and stays until its TTL: running the training
+    run again (to resume it) deletes that job first instead of failing with 409 AlreadyExists. A
+    job of the name that is still running is refused and left alone."""
+    job = as_model(tiny_job("again", "print('done', flush=True)", claim="scratch"))
+    lines: list[str] = []
+    run_pytorchjob(job, training_client=step_client(cluster), poll_s=1, timeout_s=60, log=lines.append)
+    assert "Succeeded" in conditions(cluster.stored(PLURAL, NS, "again"))
+    first_uid = cluster.stored(PLURAL, NS, "again")["metadata"]["uid"]
+    run_pytorchjob(job, training_client=step_client(cluster), poll_s=1, timeout_s=60, log=lines.append)
+    assert f"deleting the ended PyTorchJob {NS}/again (Succeeded) before running it again" in lines
+    assert lines.index(f"deleted PyTorchJob {NS}/again") < lines.index(
+        f"created PyTorchJob {NS}/again", 1 + lines.index(f"created PyTorchJob {NS}/again")
+    )
+    assert cluster.stored(PLURAL, NS, "again")["metadata"]["uid"] != first_uid
+
+    live = as_model(tiny_job("busy"))  # its pod waits for a claim the cluster lacks: it never ends
+    step_client(cluster).create_job(job=live, namespace=NS)
+    with pytest.raises(JobFailed, match=f"PyTorchJob {NS}/busy is still running: wait for it to end, or delete it"):
+        run_pytorchjob(live, training_client=step_client(cluster), poll_s=1, timeout_s=60, log=lines.append)
+    assert cluster.stored(PLURAL, NS, "busy") is not None
+
+
 @pytest.mark.slow
 def test_a_job_deleted_by_someone_else_fails_the_step(cluster: Cluster) -> None:
     jobs, core = admin(cluster)

@@ -243,9 +243,10 @@ def run_pytorchjob(
     # Without a namespace the client takes the pod's own (its service account's namespace).
     tc = training_client or (TrainingClient(namespace=namespace) if namespace else TrainingClient())
     namespace = namespace or tc.namespace
+    done = {kf.JOB_CONDITION_SUCCEEDED, kf.JOB_CONDITION_FAILED}
+    _replace_finished(tc, job, namespace, done, log)
     tc.create_job(job=job, namespace=namespace)
     log(f"created {KIND} {namespace}/{name}")
-    done = {kf.JOB_CONDITION_SUCCEEDED, kf.JOB_CONDITION_FAILED}
     follower = threading.Thread(target=_follow_logs, args=(tc, name, namespace, poll_s, done), daemon=True)
     follower.start()
     try:
@@ -270,6 +271,31 @@ def run_pytorchjob(
         )
     log(f"{KIND} {namespace}/{name} succeeded")
     return tc.api_client.sanitize_for_serialization(final)
+
+
+def _replace_finished(
+    tc: TrainingClient, job: models.KubeflowOrgV1PyTorchJob, namespace: str, done: set[str], log: Callable[[str], None]
+) -> None:
+    """Delete a finished job of this name, so that a rerun of the training run resumes it: a
+    preempted job ends Succeeded (its ranks exit 0) and is kept until its TTL. A live one is refused.
+
+    Raises:
+        JobFailed: a job of this name is still running.
+    """
+    name = job.metadata.name
+    try:
+        existing = tc.api_client.sanitize_for_serialization(tc.get_job(name, namespace))
+    except RuntimeError as e:
+        if isinstance(e.__cause__, ApiException) and e.__cause__.status == 404:
+            return
+        raise
+    ended = [
+        c["type"] for c in (existing.get("status") or {}).get("conditions") or [] if c.get("status") == "True" and c.get("type") in done
+    ]
+    if not ended:
+        raise JobFailed(f"{KIND} {namespace}/{name} is still running: wait for it to end, or delete it, before running {name} again")
+    log(f"deleting the ended {KIND} {namespace}/{name} ({ended[-1]}) before running it again")
+    _delete_quietly(tc, job, log)
 
 
 def _follow_logs(tc: TrainingClient, name: str, namespace: str, poll_s: float, done: set[str]) -> None:
