@@ -121,11 +121,14 @@ def train(
             job_cfg, spec = job_from_parameters(params, data=shared_data, run_dir=shared_run)
             job = build_pytorchjob(job_cfg, spec, cluster_options(params))
             cfg = dataclasses.replace(job_cfg, data=str(run_root(training_run) / "data"), run_dir=str(run_root(training_run) / "run"))
-            check_run_dir(cfg)  # a rerun under the same training_run must be the same training config
-            # A second run under this name is refused while this one lives.
-            with hold_run_dir(Path(cfg.run_dir)), live_tracking(Path(cfg.run_dir), **tracking):
-                shutil.copytree(data.path, cfg.data, dirs_exist_ok=True)
-                run_pytorchjob(job)
+            # A second run under this name is refused while this one lives. Inside that lock, and
+            # before the data is copied over the volume's, a rerun under the same training_run must
+            # be the same config and data (the data set identified here by the step's input).
+            with hold_run_dir(Path(cfg.run_dir)):
+                check_run_dir(dataclasses.replace(cfg, data=data.path))
+                with live_tracking(Path(cfg.run_dir), **tracking):
+                    shutil.copytree(data.path, cfg.data, dirs_exist_ok=True)
+                    run_pytorchjob(job)
         # Both backends: a job that ended (exit 0, or Succeeded) without run_end completed was
         # preempted or stopped, and fails the step with how to resume it.
         check_training_completed(training_run, Path(cfg.run_dir))
