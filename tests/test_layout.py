@@ -26,7 +26,7 @@ def test_an_upward_import_breaks_the_layers(tmp_path: Path) -> None:
     for name in PACKAGES:
         shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
-    with open(tmp_path / "trainer" / "events.py", "a") as f:
+    with open(tmp_path / "trainer" / "events" / "__init__.py", "a") as f:
         f.write("\nfrom trainer.cli import main  # a deliberate violation: the bottom layer imports the top\n")
     with open(tmp_path / "trainer" / "results" / "summary.py", "a") as f:
         f.write("\nimport mlflow  # a deliberate violation: only trainer.results.tracking talks to MLflow\n")

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from trainer.checkpoint_trust import rank_state_file, sign_rank_checksums
+from trainer.checkpoint.trust import rank_state_file, sign_rank_checksums
 from trainer.fsutil import atomic_write_text, file_sha256
 
 

@@ -6,7 +6,7 @@ every rank's part is durable does rank 0 write ``manifest.json`` (sizes + SHA-25
 rename the directory to ``step_NNNNNN`` and move the ``latest`` pointer. Resume walks published
 checkpoints newest first and takes the first whose manifest verifies.
 
-How the shards are written is a :class:`CheckpointWriter` (``trainer.checkpoint_writers``:
+How the shards are written is a :class:`CheckpointWriter` (``trainer.checkpoint.writers``:
 ``SyncDcpWriter`` there, the NVRx background writer in ``trainer.rank.resilience``).
 """
 
@@ -27,28 +27,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint_load import load_tensors, read_full_state, read_rank_state  # noqa: F401 (re-exported)
-from trainer.checkpoint_trust import (  # noqa: F401 (re-exported: trainer.checkpoint is where readers find them)
+from trainer.checkpoint.trust import (
     MANIFEST,
     SIGNING_KEY_ENV,
     CheckpointError,
-    VerifiedCheckpoint,
-    checkpoint_step,
     manifest_signature,
     open_checkpoint,
     rank_state_file,
-    read_dcp_metadata,
     read_rank_checksums,
-    sign_rank_checksums,
     signing_key,
-    verify_checkpoint,
 )
-from trainer.checkpoint_writers import (  # noqa: F401 (re-exported: trainer.checkpoint is where callers find them)
+from trainer.checkpoint.writers import (
     CheckpointWriteError,
     CheckpointWriter,
     SaveHooks,
-    SyncDcpWriter,
-    write_rank_checksums,
 )
 from trainer.errors import NonTransientError, non_transient_cause
 from trainer.events import Checkpoint, CheckpointFailed, EventLog, RunWarning

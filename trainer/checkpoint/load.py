@@ -1,4 +1,4 @@
-"""Loading a published checkpoint, each through :func:`trainer.checkpoint_trust.open_checkpoint`:
+"""Loading a published checkpoint, each through :func:`trainer.checkpoint.trust.open_checkpoint`:
 its tensors into an FSDP model (resharded to any world size), a rank's small state, or the whole
 state unsharded in one process.
 """
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from trainer.checkpoint_trust import CheckpointError, open_checkpoint
+from trainer.checkpoint.trust import CheckpointError, open_checkpoint
 
 
 def load_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path, group: dist.ProcessGroup | None = None) -> None:

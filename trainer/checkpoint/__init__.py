@@ -1,0 +1,65 @@
+"""Sharded DCP checkpoints: how they are written, published, trusted, read and kept.
+
+- ``checkpointer``: the :class:`Checkpointer` the training loop calls every step (layout, atomic
+  publication, retention, resume) and the local tier's folders.
+- ``writers``: how a rank's shards are written (:class:`CheckpointWriter`; the synchronous DCP
+  writer here, NVRx's background writer in ``trainer.rank.resilience``).
+- ``trust``: what a checkpoint is trusted for, and :func:`open_checkpoint`, the one way its bytes
+  are read.
+- ``load``: the readers (model and optimizer tensors, a rank's state, the whole state), all
+  through ``trust``.
+"""
+
+from trainer.checkpoint.checkpointer import (
+    CHECKPOINTS,
+    LATEST,
+    LOCAL_TIER_ROOT,
+    LOCAL_TIER_ROOT_ENV,
+    Checkpointer,
+    latest_checkpoint,
+    latest_is_corrupt,
+    local_tier_dir,
+    local_tier_root,
+    published_checkpoints,
+    step_dir_name,
+)
+from trainer.checkpoint.load import load_tensors, read_full_state, read_rank_state
+from trainer.checkpoint.trust import (
+    MANIFEST,
+    SIGNING_KEY_ENV,
+    CheckpointError,
+    manifest_signature,
+    open_checkpoint,
+    rank_state_file,
+    verify_checkpoint,
+)
+from trainer.checkpoint.writers import CheckpointWriteError, CheckpointWriter, SaveHooks, SyncDcpWriter, write_rank_checksums
+
+__all__ = [
+    "CHECKPOINTS",
+    "LATEST",
+    "LOCAL_TIER_ROOT",
+    "LOCAL_TIER_ROOT_ENV",
+    "MANIFEST",
+    "SIGNING_KEY_ENV",
+    "CheckpointError",
+    "CheckpointWriteError",
+    "CheckpointWriter",
+    "Checkpointer",
+    "SaveHooks",
+    "SyncDcpWriter",
+    "latest_checkpoint",
+    "latest_is_corrupt",
+    "load_tensors",
+    "local_tier_dir",
+    "local_tier_root",
+    "manifest_signature",
+    "open_checkpoint",
+    "published_checkpoints",
+    "rank_state_file",
+    "read_full_state",
+    "read_rank_state",
+    "step_dir_name",
+    "verify_checkpoint",
+    "write_rank_checksums",
+]
