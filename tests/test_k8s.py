@@ -40,6 +40,38 @@ def admitted(schema: CrdSchema, job: dict) -> dict:
     return job
 
 
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret"}
+
+
+def restricted_violations(pod: dict) -> list[str]:
+    """What the Pod Security Standards' "restricted" profile (v1.32) refuses in a pod spec, as the
+    admission controller of a namespace labelled ``pod-security.kubernetes.io/enforce=restricted`` does."""
+    found = []
+    pod_ctx = pod.get("securityContext") or {}
+    if any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC")):
+        found.append("host namespaces")
+    found += [f"volume {v['name']}" for v in pod.get("volumes") or [] if not RESTRICTED_VOLUMES & set(v)]
+    for c in pod["containers"] + (pod.get("initContainers") or []):
+        ctx, name = c.get("securityContext") or {}, c["name"]
+        if ctx.get("privileged"):
+            found.append(f"{name}: privileged")
+        if ctx.get("allowPrivilegeEscalation") is not False:
+            found.append(f"{name}: allowPrivilegeEscalation != false")
+        caps = ctx.get("capabilities") or {}
+        if "ALL" not in (caps.get("drop") or []) or set(caps.get("add") or []) - {"NET_BIND_SERVICE"}:
+            found.append(f"{name}: capabilities not dropped (ALL)")
+        if not ctx.get("runAsNonRoot", pod_ctx.get("runAsNonRoot")):
+            found.append(f"{name}: runAsNonRoot != true")
+        if ctx.get("runAsUser", pod_ctx.get("runAsUser")) == 0:
+            found.append(f"{name}: runAsUser 0")
+        seccomp = (ctx.get("seccompProfile") or pod_ctx.get("seccompProfile") or {}).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            found.append(f"{name}: seccompProfile {seccomp}")
+        if any(p.get("hostPort") for p in c.get("ports") or []):
+            found.append(f"{name}: hostPort")
+    return found
+
+
 CASES = [
     {},
     {"nnodes": 2, "nproc_per_node": 1},
@@ -58,7 +90,10 @@ def test_manifest_validates_against_crd_and_webhook_rules(schema: CrdSchema, ove
     assert job["spec"]["elasticPolicy"]["rdzvBackend"] == "c10d"
     pod = worker["template"]["spec"]
     assert {v["name"]: v for v in pod["volumes"]}["dshm"]["emptyDir"]["medium"] == "Memory"
-    assert pod["securityContext"] == {"runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000, "runAsNonRoot": True}
+    assert pod["securityContext"] == {
+        "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000, "runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"},
+    }  # fmt: skip
+    assert restricted_violations(pod) == []  # a namespace that enforces Pod Security "restricted" admits it
     limits = pod["containers"][0]["resources"]["limits"]
     assert limits.get("nvidia.com/gpu") == (str(overrides["nproc_per_node"]) if overrides.get("gpus") else None)
     # The ranks' time to checkpoint on SIGTERM, plus the launcher's own exit.
@@ -153,3 +188,17 @@ def test_a_kubernetes_rerun_with_another_config_is_refused_before_the_job_is_sub
     shutil.rmtree(tmp_path / "run")
     with pytest.raises(ParameterError, match=r"^checkpoint_uri: .* mirrors another run \(steps: 30 there, 40 now\)"):
         train_step_check(40, mirror)
+
+
+def test_the_restricted_check_refuses_what_the_profile_refuses() -> None:
+    """The check above can fail: a pod spec without the container's securityContext and the
+    seccomp profile (this project's pods until issue 34) breaks three of the profile's rules."""
+    pod = pytorchjob_manifest({})["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    del pod["securityContext"]["seccompProfile"], pod["containers"][0]["securityContext"]
+    name = pod["containers"][0]["name"]
+    assert restricted_violations(pod) == [
+        f"{name}: allowPrivilegeEscalation != false", f"{name}: capabilities not dropped (ALL)", f"{name}: seccompProfile None",
+    ]  # fmt: skip
+    pod["hostNetwork"] = True
+    pod["volumes"].append({"name": "host", "hostPath": {"path": "/"}})
+    assert restricted_violations(pod)[:2] == ["host namespaces", "volume host"]

@@ -157,6 +157,8 @@ def build_pytorchjob(cfg: TrainConfig, spec: LaunchSpec, opts: ClusterOptions) -
             k8s.V1VolumeMount(name="workspace", mount_path=WORKSPACE_MOUNT),
             k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm"),
         ],
+        # Pod Security "restricted": no privilege escalation, no capabilities (the workers need none).
+        security_context=k8s.V1SecurityContext(allow_privilege_escalation=False, capabilities=k8s.V1Capabilities(drop=["ALL"])),
     )
     pod = k8s.V1PodTemplateSpec(
         # An Istio sidecar would intercept the rendezvous and store traffic between workers.
@@ -165,7 +167,11 @@ def build_pytorchjob(cfg: TrainConfig, spec: LaunchSpec, opts: ClusterOptions) -
             containers=[container],
             # The image's unprivileged user; fsGroup keeps the shared volume writable for it.
             security_context=k8s.V1PodSecurityContext(
-                run_as_user=IMAGE_UID, run_as_group=IMAGE_GID, fs_group=IMAGE_GID, run_as_non_root=True
+                run_as_user=IMAGE_UID,
+                run_as_group=IMAGE_GID,
+                fs_group=IMAGE_GID,
+                run_as_non_root=True,
+                seccomp_profile=k8s.V1SeccompProfile(type="RuntimeDefault"),
             ),
             # Eviction and preemption: SIGTERM to ft_launcher (PID 1), which forwards it; the ranks
             # checkpoint and exit within this, with a margin for the launcher's own exit.
