@@ -13,12 +13,18 @@ background thread uploads it while training goes on. The remote ``latest`` moves
 object of that checkpoint is uploaded and checked (size and SHA-256 against the manifest). A failed
 upload is retried with exponential backoff (a ``mirror_failed`` event per failure) and never stops
 training; checkpoints published meanwhile wait (only the newest of them: it replaces older queued ones).
+
+The thread survives its own failures: an event it cannot write (a full volume) is reported on
+stderr and mirroring goes on; an unexpected error ends the thread but not the run. Either way
+:meth:`CheckpointMirror.close` then returns False. ``events.jsonl`` is uploaded only when it changed
+since its last upload (size and mtime); when it did, it is uploaded whole (S3 has no append).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -61,6 +67,9 @@ class CheckpointMirror:
         self._closing = False
         self._stop = False
         self._current: int | None = None  # step being mirrored
+        self._failures: list[str] = []  # what the thread could not do or record (close reports it)
+        self._dropped = False  # a queued checkpoint was given up without being mirrored
+        self._uploaded: dict[str, tuple[int, int]] = {}  # run file -> (size, mtime_ns) last uploaded
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="checkpoint-mirror", daemon=True)
         self._thread.start()
@@ -78,8 +87,10 @@ class CheckpointMirror:
     def close(self, *, wait: bool = True, timeout: float = FINAL_WAIT_S) -> bool:
         """Finish: with ``wait``, give the queued checkpoint up to ``timeout`` s to be mirrored.
 
-        Returns True when everything queued was mirrored. A failing process passes
-        ``wait=False``: its restart must not wait for an upload.
+        Returns True when everything queued was mirrored and recorded: False when the upload did
+        not finish in time, a queued checkpoint was given up, the final upload of the run's files
+        failed, an event could not be written or the thread died (see :attr:`failures`). A failing
+        process passes ``wait=False``: its restart must not wait for an upload.
         """
         with self._cv:
             self._closing = True
@@ -87,14 +98,32 @@ class CheckpointMirror:
             self._cv.notify_all()
         self._thread.join(timeout if wait else 0)
         if not self._thread.is_alive():
-            return True
+            return not self._failures and not self._dropped
         with self._cv:
             self._stop = True
             self._cv.notify_all()
         if wait:
             error = f"the run ended before the upload finished (waited {timeout:g} s)"
-            self.events.emit(MirrorFailed(step=self._current, attempt=None, error=error, retry_in_s=None))
+            self._emit(MirrorFailed(step=self._current, attempt=None, error=error, retry_in_s=None))
         return False
+
+    @property
+    def failures(self) -> list[str]:
+        """What the mirror could not do or record (empty while all is well)."""
+        return list(self._failures)
+
+    def _fail(self, what: str) -> None:
+        self._failures.append(what)
+        print(f"rfsdp checkpoint mirror: {what}", file=sys.stderr, flush=True)
+
+    def _emit(self, event: object) -> None:
+        """Append an event; one that cannot be written is reported on stderr, never raised (the
+        mirror goes on: its uploads do not depend on the local volume having room for a line).
+        """
+        try:
+            self.events.emit(event)  # type: ignore[arg-type]
+        except Exception as e:  # whatever it is: the mirror must go on
+            self._fail(f"could not write the {type(event).__name__} event to {self.events.path}: {e}")
 
     def restore(self, *, fingerprint: str, world_size: int) -> int | None:
         """Put the newest complete remote checkpoint into the empty local run dir; returns its step.
@@ -146,6 +175,14 @@ class CheckpointMirror:
 
     # ------------------------------------------------------------------ background thread
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # the run goes on without a mirror; close() reports it
+            self._fail(f"the mirror thread died: {type(e).__name__}: {e}")
+            self._dropped = True
+
+    def _loop(self) -> None:
+        self._abort_leftover_uploads()
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._queued is not None or self._closing)
@@ -157,12 +194,22 @@ class CheckpointMirror:
                 return
             self._mirror_with_retries(checkpoint)
 
+    def _abort_leftover_uploads(self) -> None:
+        """Abort the multipart uploads a killed predecessor left under the location (S3 bills their
+        invisible parts until then). The location is this run's: nobody else uploads there.
+        """
+        try:
+            self.store.abort_incomplete_uploads()
+        except (StorageError, OSError) as e:
+            self._emit(MirrorFailed(step=None, attempt=None, error=f"aborting unfinished uploads: {e}", retry_in_s=None))
+
     def _final_sync(self) -> None:
         # The run's last events (run_end) come after its last checkpoint was mirrored.
         try:
             self._upload_run_files()
         except (StorageError, OSError) as e:
-            self.events.emit(MirrorFailed(step=None, attempt=1, error=str(e), retry_in_s=None))
+            self._dropped = True  # the remote run dir lacks the run's last events
+            self._emit(MirrorFailed(step=None, attempt=1, error=str(e), retry_in_s=None))
 
     def _mirror_with_retries(self, checkpoint: Path) -> None:
         """Upload until it succeeds; give up only when the local copy is gone (local retention
@@ -178,13 +225,16 @@ class CheckpointMirror:
                 nbytes = self._upload(checkpoint)
             except (StorageError, OSError, CheckpointError) as e:
                 give_up = self._stop or not checkpoint.is_dir()
-                self.events.emit(MirrorFailed(step=step, attempt=attempt, error=str(e), retry_in_s=None if give_up else delay))
+                self._emit(MirrorFailed(step=step, attempt=attempt, error=str(e), retry_in_s=None if give_up else delay))
                 with self._cv:
                     if give_up or self._cv.wait_for(lambda: self._stop, timeout=delay):
+                        # Local retention removed it (a newer one is queued) or the run is ending.
+                        self._dropped = self._dropped or self._stop
                         return
                 delay = min(2 * delay, self.backoff[1])
                 continue
-            self.events.emit(
+            self._dropped = False  # the newest queued checkpoint is mirrored
+            self._emit(
                 Mirror(
                     step=step, uri=self.store.url(f"{CHECKPOINTS}/{checkpoint.name}"), bytes=nbytes,
                     upload_s=time.perf_counter() - t0, attempts=attempt,
@@ -239,10 +289,17 @@ class CheckpointMirror:
         return theirs == fingerprint
 
     def _upload_run_files(self) -> None:
+        """Upload the run's files, each only when it changed (size or mtime) since its last upload."""
         for name in RUN_FILES:
             path = self.run_dir / name
-            if path.is_file():
-                data = path.read_bytes()
-                if name == EVENTS_FILE:  # whole lines only: another rank or thread may be appending one
-                    data = data[: data.rfind(b"\n") + 1]
-                self.store.write_bytes(name, data)
+            if not path.is_file():
+                continue
+            st = path.stat()
+            if self._uploaded.get(name) == (st.st_size, st.st_mtime_ns):
+                continue
+            data = path.read_bytes()
+            if name == EVENTS_FILE:  # whole lines only: another rank or thread may be appending one
+                data = data[: data.rfind(b"\n") + 1]
+            self.store.write_bytes(name, data)
+            if len(data) == st.st_size:  # a torn last line left out: upload again next time
+                self._uploaded[name] = (st.st_size, st.st_mtime_ns)

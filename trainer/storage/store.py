@@ -98,6 +98,9 @@ class Storage(Protocol):
     def delete(self, keys: list[str]) -> None:
         """Remove objects (missing ones are ignored)."""
 
+    def abort_incomplete_uploads(self, prefix: str = "") -> int:
+        """Abort multipart uploads left unfinished below ``prefix`` (by a killed process); returns how many."""
+
 
 def is_remote(uri: str) -> bool:
     """True for an object-store URI (``s3://``), False for a local path or ``file://`` URI."""
@@ -192,6 +195,10 @@ class LocalStorage:
         for key in keys:
             Path(self.url(key)).unlink(missing_ok=True)
 
+    def abort_incomplete_uploads(self, prefix: str = "") -> int:
+        """Nothing to abort: a local upload is a temporary file renamed into place."""
+        return 0
+
     def _write(self, key: str, src: IO[bytes]) -> None:
         target = Path(self.url(key))
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -210,8 +217,10 @@ class S3Storage:
     Args:
         uri: ``s3://bucket[/prefix]``.
         part_size: objects larger than this are uploaded as a multipart upload with parts of
-            this size (at least 5 MiB), by boto3's managed transfer (parts in parallel; a failed
-            multipart upload is aborted, so nothing partial becomes visible).
+            this size (at least 5 MiB), by boto3's managed transfer (parts in parallel). A failed
+            multipart upload is aborted (by the transfer, and again by :meth:`upload` in case that
+            abort was lost), so no invisible parts stay billed; one left by a killed process is
+            aborted by :meth:`abort_incomplete_uploads` (the mirror calls it when it starts).
     """
 
     def __init__(self, uri: str, *, part_size: int = PART_SIZE) -> None:
@@ -312,9 +321,41 @@ class S3Storage:
         local = Path(local)
         digest = _verified_local_sha256(local, sha256, self.url(key))
         transfer = TransferConfig(multipart_threshold=self.part_size, multipart_chunksize=self.part_size)
-        with self._errors(key):
-            self.client.upload_file(str(local), self.bucket, self._key(key), ExtraArgs={"Metadata": {SHA256_META: digest}}, Config=transfer)
+        try:
+            with self._errors(key):
+                self.client.upload_file(
+                    str(local), self.bucket, self._key(key), ExtraArgs={"Metadata": {SHA256_META: digest}}, Config=transfer
+                )
+        except BaseException:
+            # The managed transfer aborts a failed multipart upload itself, but that request can be
+            # lost too: its parts would stay invisible and billed. Abort whatever is left of this key.
+            self._abort_key_uploads(self._key(key))
+            raise
         return ObjectInfo(local.stat().st_size, digest)
+
+    def _abort_key_uploads(self, full_key: str, *, prefix: bool = False) -> int:
+        """Abort the unfinished multipart uploads of ``full_key`` (of every key below it with
+        ``prefix``); best effort: an error leaves them for the next sweep. Returns how many.
+        """
+        aborted = 0
+        try:
+            pages = self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=full_key)
+            for page in pages:
+                for up in page.get("Uploads", []):
+                    if prefix or up["Key"] == full_key:
+                        self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
+                        aborted += 1
+        except Exception:  # already failing: the caller's error is the one to report
+            pass
+        return aborted
+
+    def abort_incomplete_uploads(self, prefix: str = "") -> int:
+        """Abort every unfinished multipart upload below ``prefix`` (one a killed process left:
+        S3 keeps and bills its parts until aborted). Only the owner of the location may call it:
+        it also aborts uploads in progress. Returns how many were aborted.
+        """
+        base = self._key(prefix)
+        return self._abort_key_uploads(f"{base}/" if base else "", prefix=True)
 
     def download(self, key: str, local: Path, *, sha256: str | None = None) -> None:
         """Stream ``key`` into a temporary file, verify it, then rename it to ``local``."""
