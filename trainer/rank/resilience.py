@@ -10,6 +10,7 @@
 # parameter by its (evaluated) annotation.
 import contextlib
 import datetime
+import errno
 import hashlib
 import io
 import json
@@ -773,6 +774,31 @@ class LocalSnapshotError(RuntimeError):
     """A local snapshot is incomplete, torn or corrupt."""
 
 
+def _no_space(error: BaseException) -> bool:
+    """Whether ``error`` (or what it was raised from) is a file system with no room left."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _naming(error: BaseException, path: Path) -> BaseException:
+    """``error``, naming ``path`` where it names no path of its own (an ``OSError`` of a write to
+    an open file has none): an error of the local tier always says where it happened.
+    """
+    if isinstance(error, OSError):
+        if error.filename is not None:
+            return error
+        named = OSError(error.errno, error.strerror or str(error), str(path))
+    else:
+        named = error if str(path) in str(error) else RuntimeError(f"{type(error).__name__}: {error} (in {path})")
+    if named is not error:
+        named.__cause__ = error
+    return named
+
+
 class _HostStateDict(BasicTensorAwareStateDict):
     """NVRx's tensor-aware state dict for tensors in host memory (NVRx's asserts CUDA)."""
 
@@ -992,7 +1018,8 @@ class LocalTier:
         group: resume collectives (their timeout covers verifying snapshots); every rank of the world.
         save_group: the collective of a save inside the training loop.
         events: where ``checkpoint`` / ``checkpoint_failed`` (tier ``local``, rank 0) and
-            ``warning`` (``local_snapshot_skipped``, the rank that skipped) go.
+            ``warning`` (``local_snapshot_skipped``, the rank that skipped; ``local_tier_off``,
+            the rank whose write found no room) go.
         replication: this rank's clique groups (resume, save) from :func:`replication_groups`;
             None: no replicas.
     """
@@ -1026,6 +1053,8 @@ class LocalTier:
         if (abandoned := LocalTier._in_flight) is not None and abandoned.thread is not None and abandoned.thread.ident is not None:
             abandoned.thread.join()  # a memory copy: short. What it wrote counts if every rank verifies it.
         LocalTier._in_flight = None
+        self.off: str | None = None
+        """Why the tier stepped aside for the rest of this incarnation (None: it is on)."""
 
     _in_flight: _LocalWrite | None = None
     """The write last handed over in this process, whichever incarnation did (one thread at a time)."""
@@ -1036,8 +1065,8 @@ class LocalTier:
         return Path(self.manager.local_ckpt_dir)
 
     def step(self, step: int, state: Callable[[], dict]) -> None:
-        """Called once per training step on every rank: snapshot when due."""
-        if step % self.every == 0:
+        """Called once per training step on every rank: snapshot when due (never once it is :attr:`off`)."""
+        if step % self.every == 0 and self.off is None:
             self.save(step, state)
 
     def save(self, step: int, state: Callable[[], dict]) -> None:
@@ -1047,9 +1076,12 @@ class LocalTier:
         into the buffers), ``replicate`` (with replicas: the clique's exchange), ``write`` (in the
         background: this rank's snapshot and the replicas it holds, with their checksums),
         ``agree``. A failed write is not fatal: ``checkpoint_failed`` (tier ``local``), retried at
-        the next one.
+        the next one; a write that found no room (a full ``/dev/shm``) turns the tier off on every
+        rank (:meth:`finish`).
         """
         self.finish()
+        if self.off is not None:  # the previous write found no room
+            return
         started = time.perf_counter()
         ckpt_id = self.manager._ckpt_id(step)
         snapshots = {ckpt_id: _HostStateDict(_pack(state(), self._buffers))}
@@ -1073,13 +1105,19 @@ class LocalTier:
             self.manager.prune(keep=self.newest)  # at most two steps: the newest complete one and this one
             self.manager._save_fn(snapshots)
         except Exception as e:  # reported to every rank by the next agreement
-            write.error = e
+            write.error = _naming(e, self.directory)
         write.phases["write"] = time.perf_counter() - began
 
     def finish(self) -> None:
         """Collective on ``save_group`` (every rank, also with nothing handed over): wait for the
         write handed over last and agree whether every rank's succeeded; it then counts. Call it
         once training is done too, before the snapshots are kept or removed.
+
+        When some rank's write found no room, the tier steps aside on every rank for the rest of
+        this incarnation (:attr:`off`): each rank removes its snapshots, so that the node's memory
+        is left to training and to the durable tier's staging, and the rank that found no room
+        says so (a ``warning`` ``local_tier_off`` naming the path). Training goes on with the
+        durable tier.
         """
         write, self._pending = self._pending, None
         if write is None:
@@ -1087,9 +1125,18 @@ class LocalTier:
         entered = time.perf_counter()
         write.thread.join()  # a write slower than the steps between two saves stalls the loop here
         joined = time.perf_counter()
-        ok = torch.tensor([int(write.error is None)], dtype=torch.int32)
+        full = write.error is not None and _no_space(write.error)
+        ok = torch.tensor([-1 if full else int(write.error is None)], dtype=torch.int32)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.save_group)
         agreed = time.perf_counter()
+        if ok.item() < 0:
+            self.off = f"no room for the local tier's snapshot of step {write.step} on some rank"
+            if full:
+                self.off = f"{write.error}"
+                reason = f"{write.error}; the local tier is off, training goes on with the durable tier"
+                self.events.emit(RunWarning(kind="local_tier_off", step=write.step, reason=reason))
+            self.remove()
+            return
         if ok.item():
             self.newest = write.step
         if self.rank != 0:

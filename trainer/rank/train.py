@@ -37,6 +37,7 @@ from trainer.checkpoint import (
     published_checkpoints,
     read_rank_state,
 )
+from trainer.checkpoint.checkpointer import private_local_tier_root
 from trainer.data.prepare import local_data
 from trainer.data.shards import TokenLoader, load_split
 from trainer.errors import FATAL_EXIT_CODE, non_transient_cause
@@ -47,6 +48,7 @@ from trainer.events import (
     RunEnd,
     RunHistory,
     RunStart,
+    RunWarning,
     Step,
     describe_restart,
     fatal_error,
@@ -299,6 +301,17 @@ def end_job_fatally(run_dir: Path, cause: BaseException) -> None:
     os._exit(FATAL_EXIT_CODE)  # not an exception: in-process restart would retry it
 
 
+def local_tier_refused(group: dist.ProcessGroup) -> str | None:
+    """Collective on ``group``: why some rank cannot use its node's local tier root
+    (:func:`private_local_tier_root`: not a private folder of this user's), or None when every
+    rank can. Every rank then goes without the tier, or none does.
+    """
+    _, refused = private_local_tier_root()
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, refused, group=group)
+    return next((r for r in every if r is not None), None)
+
+
 def _job_id() -> str:
     return os.environ.get("TORCHELASTIC_RUN_ID", "")
 
@@ -351,10 +364,13 @@ def _train(
         cliques = replica_cliques(nnodes, per_node, cfg.replicas(nnodes))
         with attempt.connections.recording():
             replication = replication_groups(cliques, resume_timeout_s=timeouts.barrier, save_timeout_s=save_timeout)
-        local = LocalTier(
-            tier_dir, every=cfg.local_ckpt_every, group=ckpt_group, save_group=save_group, events=events,
-            replication=replication,
-        )  # fmt: skip
+        if (refused := local_tier_refused(ckpt_group)) is None:
+            local = LocalTier(
+                tier_dir, every=cfg.local_ckpt_every, group=ckpt_group, save_group=save_group, events=events,
+                replication=replication,
+            )  # fmt: skip
+        elif rt.rank == 0:
+            events.emit(RunWarning(kind="local_tier_off", step=0, reason=f"{refused}; training goes on with the durable tier"))
     faults = FaultInjector(cfg.faults, run_dir, rt.rank, events, local_newest=local.newest_own if local else None)
     marks["model_built"] = time.time()
 
