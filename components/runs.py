@@ -48,7 +48,7 @@ def check_parameters(params: Mapping[str, Any], name: str, *, tracking_uri_env: 
     from trainer.launch.k8s import build_pytorchjob, cluster_options, shared_paths
     from trainer.launch.local import BACKENDS, job_from_parameters
     from trainer.launch.spec import check_run_name
-    from trainer.results.tracking import check_tracking_uri, is_local_store
+    from trainer.results.tracking import check_tracking_uri, is_local_store, redact_uri
 
     def refuse(param: str, problem: str) -> ParameterError:
         return ParameterError(param, problem, style="parameter")
@@ -78,7 +78,8 @@ def check_parameters(params: Mapping[str, Any], name: str, *, tracking_uri_env: 
                 and is_local_store(uri)
                 and not uri.removeprefix("sqlite:///").removeprefix("file://").startswith(WORKSPACE_MOUNT + "/")
             ):
-                raise refuse("tracking_uri", f"{uri!r} is a file in the logging step's pod, lost with it: use a tracking server")
+                shown = redact_uri(uri)
+                raise refuse("tracking_uri", f"{shown!r} is a file in the logging step's pod, lost with it: use a tracking server")
         build_pytorchjob(cfg, spec, cluster_options({**params, "training_run": name}))  # image, resources: checked on every backend
 
 

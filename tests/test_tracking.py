@@ -17,7 +17,7 @@ from mlflow import MlflowClient
 
 from tests.conftest import ROOT, MlflowServer, rfsdp
 from trainer.errors import ParameterError
-from trainer.events import Checkpoint, Restart, RunEnd, Step, SystemSample, from_record, read_events, summarize
+from trainer.events import Checkpoint, EventLog, Restart, RunEnd, RunStart, Step, SystemSample, from_record, read_events, summarize
 from trainer.results.summary import VERDICT, headline_metrics
 from trainer.results.tracking import (
     EVENTS_HASH_TAG,
@@ -29,6 +29,7 @@ from trainer.results.tracking import (
     log_failed_attempt,
     log_run,
     logged_runs,
+    redact_uri,
     run_url,
 )
 
@@ -315,3 +316,54 @@ def test_runs_are_tagged_with_the_code_that_logged_them(monkeypatch: pytest.Monk
     monkeypatch.delenv(GIT_COMMIT_ENV)
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
     assert source_tags().get(GIT_COMMIT_TAG) == (head or None)
+
+
+def test_credentials_in_the_tracking_uri_are_shown_nowhere(
+    mlflow_server: MlflowServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Issue 34: a tracking URI with ``user:password@`` (MLflow's client sends it as basic auth;
+    this server has no auth and ignores it) logs the run, yet the password is in no URL, report,
+    message, tag, param or artifact; nor are secret query values."""
+    from components.runs import log_pipeline_run
+    from trainer.launch import WORKSPACE_ENV
+
+    secret = "pw-never-shown-9f3"
+    uri = mlflow_server.uri.replace("://", f"://alice:{secret}@")
+    monkeypatch.setenv(WORKSPACE_ENV, str(tmp_path / "ws"))
+    run_dir = tmp_path / "ws" / "leak" / "run"
+    run_dir.mkdir(parents=True)
+    events = EventLog(run_dir, rank=0)  # a small finished run: what is logged, not how it trained, matters here
+    events.emit(RunStart(config={"steps": 3, "ckpt_mode": "sync", "run_dir": str(run_dir)}, resumed_from_step=0, world_size=2))
+    for step in (1, 2, 3):
+        events.emit(Step(step=step, loss=5.0 - step / 10, step_time_s=0.1, tokens=1024))
+    events.emit(RunEnd(status="completed", step=3))
+    kfp = {"pipeline_job": "resilient-fsdp-training-leak", "pipeline_job_id": "kfp-leak", "image": "img:1", "backend": "local"}
+    logged = log_pipeline_run(state="SUCCEEDED", error_message="", training_run="leak", tracking_uri=uri, experiment="leak", **kfp)
+    assert logged.mlflow_url.startswith(f"{mlflow_server.uri}/#/experiments/")
+    client = MlflowClient(mlflow_server.uri)
+    run = client.get_run(logged.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    shown = [logged.mlflow_url, logged.markdown, json.dumps(run.data.tags), json.dumps(run.data.params)]
+    artifacts = Path(client.download_artifacts(logged.mlflow_run_id, "", str(tmp_path / "artifacts")))
+    shown += [f.read_text(errors="replace") for f in artifacts.rglob("*") if f.is_file()]
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        down = f"http://alice:{secret}@127.0.0.1:{sock.getsockname()[1]}"
+    with pytest.raises(TrackingError, match=re.escape("http://127.0.0.1:")) as err:
+        log_run(run_dir, tracking_uri=down, experiment="leak", retries=1)
+    shown.append(str(err.value))
+    with pytest.raises(TrackingError) as err:
+        log_failed_attempt("kfp-leak", Failure("train", "x"), tracking_uri=down, experiment="leak", run_name="leak", retries=1)
+    shown.append(str(err.value))
+    with pytest.raises(ParameterError) as bad:
+        check_tracking_uri(f"ftp://alice:{secret}@host/x?token={secret}")
+    shown.append(str(bad.value))
+    proc = rfsdp("log-mlflow", "--run-dir", str(run_dir), "--tracking-uri", down, "--experiment", "leak", "--retries", "1")
+    assert proc.returncode == 1 and "127.0.0.1" in proc.stderr
+    shown += [proc.stdout, proc.stderr, *capsys.readouterr()]
+    assert [s for s in shown if secret in s] == []
+
+    assert redact_uri(f"https://mlflow/p?token={secret}&experiment=a%20b") == "https://mlflow/p?token=***&experiment=a%20b"
+    assert redact_uri(f"https://{secret}@mlflow:443/") == "https://mlflow:443/"
+    assert redact_uri("sqlite:////mnt/rfsdp/mlflow.db") == "sqlite:////mnt/rfsdp/mlflow.db"

@@ -9,13 +9,19 @@ Where runs go (first match wins): the ``tracking_uri`` argument, ``MLFLOW_TRACKI
 local store in the project: ``sqlite:///<project>/work/mlflow/mlflow.db`` with artifacts in
 ``<project>/work/mlflow/artifacts/`` (``<project>`` is the nearest directory at or above the
 working directory that holds a ``pyproject.toml``, else the working directory).
+
+A tracking URI may carry credentials (``https://user:token@mlflow``, ``?token=...``): MLflow's
+client sends them, but nothing here shows them. Every message, URL, tag and report that names the
+URI goes through :func:`redact_uri` or :func:`redact`.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
+import re
 import tempfile
 import threading
 import time
@@ -24,7 +30,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse, urlsplit, urlunsplit
 
 from trainer.errors import ParameterError
 from trainer.events import (
@@ -228,6 +234,65 @@ def source_tags() -> dict[str, str]:
     return {VERSION_TAG: version("resilient-fsdp"), **({GIT_COMMIT_TAG: commit} if commit else {})}
 
 
+_SECRET_QUERY_KEY = re.compile(r"token|secret|passw|pwd|key|auth|credential|signature|sig$|session", re.IGNORECASE)
+REDACTED = "***"
+
+
+def redact_uri(uri: str) -> str:
+    """``uri`` fit to show: its user info (``user:password@``) dropped and the value of every
+    secret-looking query parameter (``token``, ``password``, ``api_key``, ``X-Amz-Signature``...)
+    replaced by ``***``. A URI with neither is returned unchanged.
+    """
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return "<unparseable tracking URI>"
+    netloc = parts.netloc.rpartition("@")[2]
+    pairs = [pair.partition("=") for pair in parts.query.split("&")] if parts.query else []
+    query = "&".join(f"{k}={REDACTED}" if v and _SECRET_QUERY_KEY.search(unquote(k)) else f"{k}{eq}{v}" for k, eq, v in pairs)
+    if netloc == parts.netloc and query == parts.query:
+        return uri
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def _uri_secrets(uri: str) -> dict[str, str]:
+    """What to replace in a message that may quote ``uri``'s secrets: ``userinfo@`` by nothing,
+    ``key=value`` of a secret query parameter by ``key=***``, and (when long enough not to hit
+    ordinary words) the password and secret values alone by ``***``; raw and percent-decoded.
+    """
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return {uri: "<unparseable tracking URI>"}
+    found: dict[str, str] = {}
+    userinfo = parts.netloc.rpartition("@")[0]
+    alone = []
+    if userinfo:
+        found[f"{userinfo}@"] = ""
+        alone.append(userinfo.partition(":")[2] or userinfo)
+    for pair in parts.query.split("&"):
+        key, _, value = pair.partition("=")
+        if value and _SECRET_QUERY_KEY.search(unquote(key)):
+            found[pair] = f"{key}={REDACTED}"
+            alone.append(value)
+    for secret in alone:
+        if len(secret) >= 6:
+            found[secret] = REDACTED
+    for old, new in list(found.items()):
+        found.setdefault(unquote(old), new)
+    return found
+
+
+def redact(text: str, uri: str) -> str:
+    """``text`` (an error message, a log line) with ``uri`` and its secrets redacted wherever they
+    appear (MLflow's and requests' errors repeat the URL they called, credentials included).
+    """
+    text = text.replace(uri, redact_uri(uri))
+    for old, new in sorted(_uri_secrets(uri).items(), key=lambda item: len(item[0]), reverse=True):
+        text = text.replace(old, new)
+    return text
+
+
 def default_tracking_uri() -> str:
     """The local store used when nothing is configured: sqlite under ``<project>/work/mlflow``."""
     return f"sqlite:///{project_dir() / 'work' / 'mlflow' / 'mlflow.db'}"
@@ -244,14 +309,19 @@ def check_tracking_uri(tracking_uri: str) -> str:
     Raises:
         ParameterError: naming ``tracking_uri``.
     """
-    parsed = urlparse(tracking_uri)
+    shown = redact_uri(tracking_uri)
+    try:
+        parsed = urlparse(tracking_uri)
+        hostname = parsed.hostname
+    except ValueError as e:  # a bad port, a bad IPv6 literal
+        raise ParameterError("tracking_uri", f"{shown!r} is not a URI ({redact(str(e), tracking_uri)})") from None
     scheme = parsed.scheme.split("+")[0]  # postgresql+psycopg2://...
     if scheme not in _STORE_SCHEMES:
-        raise ParameterError("tracking_uri", f"{tracking_uri!r} is not an MLflow tracking URI (scheme one of {', '.join(_STORE_SCHEMES)})")
-    if scheme in ("http", "https") and not parsed.hostname:
-        raise ParameterError("tracking_uri", f"{tracking_uri!r} names no host")
+        raise ParameterError("tracking_uri", f"{shown!r} is not an MLflow tracking URI (scheme one of {', '.join(_STORE_SCHEMES)})")
+    if scheme in ("http", "https") and not hostname:
+        raise ParameterError("tracking_uri", f"{shown!r} names no host")
     if scheme == "sqlite" and not tracking_uri.startswith("sqlite:///"):
-        raise ParameterError("tracking_uri", f"{tracking_uri!r} is not sqlite:///PATH")
+        raise ParameterError("tracking_uri", f"{shown!r} is not sqlite:///PATH")
     return tracking_uri
 
 
@@ -267,7 +337,10 @@ def run_url(tracking_uri: str, run_id: str) -> str:
     from mlflow import MlflowClient
 
     experiment_id = MlflowClient(tracking_uri=tracking_uri).get_run(run_id).info.experiment_id
-    base = tracking_uri.rstrip("/") if urlparse(tracking_uri).scheme in ("http", "https") else "http://127.0.0.1:5000"
+    server = urlsplit(tracking_uri)
+    # A page to show: no credentials, and no query (a token there would end up in a browser's history).
+    shown = urlunsplit((server.scheme, server.netloc.rpartition("@")[2], server.path, "", ""))
+    base = shown.rstrip("/") if server.scheme in ("http", "https") else "http://127.0.0.1:5000"
     return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
@@ -288,23 +361,31 @@ def wait_for_server(tracking_uri: str, *, retries: int = 5, backoff_s: float = 1
     Raises:
         TrackingError: the server did not answer after ``retries`` attempts (names the URI).
     """
-    if urlparse(tracking_uri).scheme not in ("http", "https"):
+    server = urlsplit(tracking_uri)
+    if server.scheme not in ("http", "https"):
         return
-    url = tracking_uri.rstrip("/") + "/health"
+    # urllib takes no credentials in a URL: send them as basic auth, as MLflow's client does.
+    userinfo, _, host = server.netloc.rpartition("@")
+    request = urllib.request.Request(urlunsplit((server.scheme, host, server.path.rstrip("/") + "/health", "", "")))
+    if userinfo:
+        user, _, password = userinfo.partition(":")
+        token = base64.b64encode(f"{unquote(user)}:{unquote(password)}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
     t0, delay, error = time.monotonic(), backoff_s, ""
     for attempt in range(1, retries + 1):
         try:
-            with urllib.request.urlopen(url, timeout=5) as response:
+            with urllib.request.urlopen(request, timeout=5) as response:
                 if response.status == 200:
                     return
                 error = f"HTTP {response.status}"
         except (urllib.error.URLError, OSError) as e:
-            error = str(getattr(e, "reason", e))
+            error = redact(str(getattr(e, "reason", e)), tracking_uri)
         if attempt < retries:
             time.sleep(delay)
             delay *= 2
     raise TrackingError(
-        f"MLflow tracking server {tracking_uri} did not answer after {retries} attempts over {time.monotonic() - t0:.1f} s ({error})"
+        f"MLflow tracking server {redact_uri(tracking_uri)} did not answer after {retries} attempts"
+        f" over {time.monotonic() - t0:.1f} s ({error})"
     )
 
 
@@ -332,7 +413,7 @@ def logged_runs(experiment: str = DEFAULT_EXPERIMENT, tracking_uri: str | None =
     client = MlflowClient(tracking_uri=uri)
     found = client.get_experiment_by_name(experiment)
     if found is None or found.lifecycle_stage == "deleted":
-        raise ValueError(f"experiment: no MLflow experiment named {experiment!r} at {uri}")
+        raise ValueError(f"experiment: no MLflow experiment named {experiment!r} at {redact_uri(uri)}")
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for run in client.search_runs([found.experiment_id], order_by=["attributes.start_time ASC"]):
@@ -424,7 +505,7 @@ def log_run(
     try:
         return _log(run_dir, events_path, events, uri, experiment, key, hashes, tags or {}, validation, failure, run_name or run_dir.name)
     except (MlflowException, RequestException, OSError) as e:
-        raise TrackingError(f"logging {run_dir} to MLflow at {uri} failed: {e}. {again}") from e
+        raise TrackingError(redact(f"logging {run_dir} to MLflow at {uri} failed: {e}. {again}", uri)) from None
 
 
 def log_failed_attempt(
@@ -477,7 +558,7 @@ def log_failed_attempt(
         client.set_terminated(run_id, "FAILED")
         return run_id
     except (MlflowException, RequestException, OSError) as e:
-        raise TrackingError(f"logging the failed run {attempt} to MLflow at {uri} failed: {e}") from e
+        raise TrackingError(redact(f"logging the failed run {attempt} to MLflow at {uri} failed: {e}", uri)) from None
 
 
 def _failure_tags(failure: Failure) -> dict[str, str]:
@@ -490,6 +571,8 @@ def _client(uri: str) -> MlflowClient:
 
     if urlparse(uri).scheme == "sqlite":
         Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    if redact_uri(uri) != uri:  # MLflow prints "View run ... at: <the URI>" on stdout, credentials included
+        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
     return MlflowClient(tracking_uri=uri)
 
 
@@ -563,7 +646,7 @@ def _experiment_id(client: MlflowClient, uri: str, name: str) -> str:
     existing = client.get_experiment_by_name(name)
     if existing is not None:
         if existing.lifecycle_stage == "deleted":
-            raise ValueError(f"--experiment: {name!r} is deleted in {uri}; restore it or choose another name")
+            raise ValueError(f"--experiment: {name!r} is deleted in {redact_uri(uri)}; restore it or choose another name")
         return existing.experiment_id
     try:
         return client.create_experiment(name, artifact_location=artifact_location(uri, name))
@@ -638,7 +721,7 @@ class LiveLogger:
                 self._flush()
                 self.error = None
             except (MlflowException, RequestException, OSError, ValueError, TrackingError) as e:
-                self.error = f"{type(e).__name__}: {e}"  # caught up at the next attempt
+                self.error = redact(f"{type(e).__name__}: {e}", self.uri)  # caught up at the next attempt
             if stopping:
                 return
 
