@@ -329,7 +329,8 @@ class S3Storage:
         except BaseException:
             # The managed transfer aborts a failed multipart upload itself, but that request can be
             # lost too: its parts would stay invisible and billed. Abort whatever is left of this key.
-            self._abort_key_uploads(self._key(key))
+            if not local.is_file() or local.stat().st_size >= self.part_size:  # (a smaller file: one PUT)
+                self._abort_key_uploads(self._key(key))
             raise
         return ObjectInfo(local.stat().st_size, digest)
 
