@@ -496,3 +496,20 @@ def test_an_abort_cuts_only_the_connections_made_while_recording() -> None:
     assert connections.cut() == 0  # each attempt's connections are cut once
     for s in (server, before, made, listener, unix, unix_peer, before_peer, made_peer, gone_peer, other, reused, other_peer, to_listener):
         s.close()
+
+
+def test_an_earlier_jobs_fatal_never_matches_a_new_job_with_the_same_pid(tmp_path: Path) -> None:
+    """The job id was ``rfsdp-PID``: a later job whose launcher got the same pid read an earlier
+    job's ``fatal`` as its own and ended at its first failure instead of restarting. The id now
+    holds the launcher's start too (real events, this process's real start)."""
+    from trainer.events import EventLog, Fatal, fatal_error, read_events
+    from trainer.launch.local import job_id
+    from trainer.process import process_start_ticks
+
+    now = job_id()
+    assert now == f"rfsdp-{os.getpid()}-{process_start_ticks()}"
+    EventLog(tmp_path, 0).emit(Fatal(error="earlier", job=f"rfsdp-{os.getpid()}-{process_start_ticks() - 100}"))  # same pid, earlier start
+    EventLog(tmp_path, 0).emit(Fatal(error="old format", job=f"rfsdp-{os.getpid()}"))  # an id of the old form
+    assert fatal_error(read_events(tmp_path), now) is None
+    EventLog(tmp_path, 1).emit(Fatal(error="this job", job=now))
+    assert fatal_error(read_events(tmp_path), now).error == "this job"

@@ -36,7 +36,7 @@ from trainer.faults import NodeControl, NodeFault, NodeFaultInjector, parse_faul
 from trainer.fsutil import atomic_write_text, file_sha256
 from trainer.launch.progress import TrainingProgress
 from trainer.launch.spec import LaunchSpec
-from trainer.process import die_with_parent
+from trainer.process import die_with_parent, process_start_ticks
 from trainer.rank.config import TRAJECTORY_FIELDS, Timeouts, TrainConfig, replica_cliques
 from trainer.rank.model import parameter_count
 from trainer.storage.store import StorageError, open_storage
@@ -63,6 +63,14 @@ def worker_command(cfg: TrainConfig, ft_launcher: str = "ft_launcher") -> list[s
         "--workers-stop-timeout", "0",  # ranks it stops to restart them have nothing to save: SIGKILL at once
         "-m", "trainer.launch.worker", *cfg.to_argv(),  # each rank forked by the node's zygote (trainer.launch.zygote)
     ]  # fmt: skip
+
+
+def job_id(pid: int | None = None) -> str:
+    """The id of the job launched by process ``pid`` (default: this one), its rendezvous id: the
+    pid and its start in clock ticks, so that a later job whose launcher got the same pid is
+    another job, and an earlier job's ``fatal`` never ends it.
+    """
+    return f"rfsdp-{pid or os.getpid()}-{process_start_ticks(pid)}"
 
 
 def operator_env(spec: LaunchSpec, *, rdzv_endpoint: str, job_id: str) -> dict[str, str]:
@@ -367,10 +375,10 @@ def launch_local(
     with hold_run_dir(run_dir) as lock_fd:  # held by the replicas too: the run dir is theirs while any of them lives
         log_dir = Path(log_dir or run_dir / "logs")
         log_dir.mkdir(parents=True, exist_ok=True)
-        job_id = f"rfsdp-{os.getpid()}"
+        job = job_id()
         env = {
             **os.environ,
-            **operator_env(spec, rdzv_endpoint=placement.rdzv_endpoint(), job_id=job_id),
+            **operator_env(spec, rdzv_endpoint=placement.rdzv_endpoint(), job_id=job),
             "RFSDP_PORT_BASE": str(free_port_base()),
         }
         argv = worker_command(cfg, str(Path(sys.executable).parent / "ft_launcher"))
@@ -383,7 +391,7 @@ def launch_local(
         try:
             for replica in replicas:
                 replica.start()
-            code = _wait_with_progress(cfg, replicas, budget, injector, job_id, show=progress)
+            code = _wait_with_progress(cfg, replicas, budget, injector, job, show=progress)
         finally:
             for replica in replicas:  # a job still running here was interrupted: it is preempted
                 replica.stop(cfg.grace_period + 10)
