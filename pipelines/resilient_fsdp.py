@@ -570,6 +570,7 @@ def print_local_result(result: Mapping[str, Any]) -> None:
     from rich.table import Table
 
     from trainer.results.summary import print_run_summary
+    from trainer.results.tracking import redact_uri
 
     run_dir = Path(result["run_dir"])
     print_run_summary(run_dir)
@@ -590,6 +591,6 @@ def print_local_result(result: Mapping[str, Any]) -> None:
         print(f"PyTorchJob:        {result['pytorchjob']} (as the emulated API server stored it)")
         print(f"pod logs:          {Path(result['pytorchjob']).parent / 'pods'}")
     print("next:")
-    print(f"  mlflow ui --backend-store-uri {result['tracking_uri']}   # this run's curves, restarts and checkpoints")
+    print(f"  mlflow ui --backend-store-uri {redact_uri(result['tracking_uri'])}   # this run's curves, restarts and checkpoints")
     print("  make compare   # sync vs async checkpoints, with and without faults, in the comparison notebook")
     print("  docs/deployment.md   # build the image and start runs from the Kubeflow UI on a cluster")

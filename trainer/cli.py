@@ -75,7 +75,7 @@ def _tracking(args: argparse.Namespace, run_dir: Path) -> Iterator[None]:
     if not args.tracking_uri:
         yield
         return
-    from trainer.results.tracking import LiveLogger, TrackingError, check_tracking_uri, log_run
+    from trainer.results.tracking import LiveLogger, TrackingError, check_tracking_uri, log_run, redact_uri
 
     check_tracking_uri(args.tracking_uri)
     live = LiveLogger(run_dir, tracking_uri=args.tracking_uri, experiment=args.experiment).start()
@@ -86,7 +86,7 @@ def _tracking(args: argparse.Namespace, run_dir: Path) -> Iterator[None]:
         if (run_dir / EVENTS_FILE).is_file():
             try:
                 run_id = log_run(run_dir, tracking_uri=args.tracking_uri, experiment=args.experiment, retries=2)
-                print(f"rfsdp train: MLflow run {run_id} in {args.experiment!r} at {args.tracking_uri}", file=sys.stderr)
+                print(f"rfsdp train: MLflow run {run_id} in {args.experiment!r} at {redact_uri(args.tracking_uri)}", file=sys.stderr)
             except (TrackingError, ValueError) as e:
                 print(f"rfsdp train: not logged to MLflow: {e}", file=sys.stderr)
 

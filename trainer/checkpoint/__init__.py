@@ -20,6 +20,7 @@ from trainer.checkpoint.checkpointer import (
     latest_is_corrupt,
     local_tier_dir,
     local_tier_root,
+    private_local_tier_root,
     published_checkpoints,
     step_dir_name,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "local_tier_root",
     "manifest_signature",
     "open_checkpoint",
+    "private_local_tier_root",
     "published_checkpoints",
     "rank_state_file",
     "read_full_state",

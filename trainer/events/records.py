@@ -147,7 +147,9 @@ class RunWarning(Event):
     """Something was repaired or skipped. ``kind`` ``checkpoint_skipped``: ``step``, ``reason`` (a
     torn or corrupt checkpoint at resume); ``latest_repaired``: ``step``, ``was`` (``latest`` named
     another checkpoint than the one resumed from); ``local_snapshot_skipped``: ``step``, ``reason``
-    (a rank's torn or corrupt local snapshot at resume, written by that rank).
+    (a rank's torn or corrupt local snapshot at resume, written by that rank); ``local_tier_off``:
+    ``step``, ``reason`` (the local tier stepped aside); ``mirror_incomplete``: ``step``, ``reason``
+    (at the end, the mirror had lost an event or an upload).
     """
 
     KIND: ClassVar[str] = "warning"

@@ -29,15 +29,16 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint import (
+    CHECKPOINTS,
     Checkpointer,
     CheckpointWriter,
     SyncDcpWriter,
     load_tensors,
     local_tier_dir,
+    private_local_tier_root,
     published_checkpoints,
     read_rank_state,
 )
-from trainer.checkpoint.checkpointer import private_local_tier_root
 from trainer.data.prepare import local_data
 from trainer.data.shards import TokenLoader, load_split
 from trainer.errors import FATAL_EXIT_CODE, non_transient_cause
@@ -486,8 +487,13 @@ def main(argv: list[str] | None = None, *, startup: dict[str, float] | None = No
         sys.stderr.flush()
         os._exit(1)
     writer.close()
-    if mirror is not None:
-        mirror.close()
+    if mirror is not None and not mirror.close():  # training is done; say what the mirror lost
+        last = max((s for s, _ in published_checkpoints(Path(cfg.run_dir) / CHECKPOINTS)), default=0)
+        EventLog(Path(cfg.run_dir), 0).emit(
+            RunWarning(
+                kind="mirror_incomplete", step=last, reason=f"{cfg.checkpoint_uri} may lack the run's last files (stderr says which)"
+            )
+        )
 
 
 if __name__ == "__main__":  # required: NVRx's checkpoint worker is started with spawn
