@@ -484,3 +484,24 @@ def test_retention_never_deletes_latest_nor_anything_newer(one_rank: None, tmp_p
     shutil.copytree(tmp_path / CHECKPOINTS / step_dir_name(6), tmp_path / "b" / CHECKPOINTS / step_dir_name(3))
     checkpointer(tmp_path / "b", FakeWriter(), keep_last=1)._retain(6)  # latest names step 3: it stays
     assert [s for s, _ in published_checkpoints(tmp_path / "b" / CHECKPOINTS)] == [3, 6]
+
+
+def test_every_staging_buffer_is_in_shared_memory_before_any_write() -> None:
+    """The async writer's staging buffers are shared memory from the start, AdamW's 0-dim step
+    counts too (torch's helper leaves those private). A private one was moved into shared memory
+    only when the write was handed to the worker, while the copy beside the next step could be
+    writing it: under load a write in between was lost and the checkpoint kept a step count of 0,
+    so a resume from it updated with the wrong bias correction (an exact-resume test saw it)."""
+    from trainer.rank.resilience import _shared_buffers_like
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    staging = _shared_buffers_like({"model": model.state_dict(), "optim": optimizer.state_dict()["state"]}, lambda: None)
+
+    def tensors(tree: object) -> list[torch.Tensor]:
+        return [t for v in tree.values() for t in tensors(v)] if isinstance(tree, dict) else [tree]
+
+    assert any(t.dim() == 0 for t in tensors(staging))  # the step counts are there
+    assert [t.is_shared() for t in tensors(staging)] == [True] * len(tensors(staging))

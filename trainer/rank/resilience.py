@@ -262,6 +262,12 @@ def _shared_buffers_like(tree: object, alive: Callable[[], None]) -> object:
     if isinstance(tree, list | tuple):
         return type(tree)(_shared_buffers_like(value, alive) for value in tree)
     buffer = _create_cpu_state_dict({"": tree}, share_memory=True)[""]
+    local = buffer.to_local() if isinstance(buffer, DTensor) else buffer
+    if isinstance(local, torch.Tensor) and not local.is_shared():
+        # torch leaves 0-dim ones private (AdamW's step). Handing the write to the worker would
+        # move it into shared memory then, while the copy beside the next step may be writing it:
+        # a write in between was lost, and the checkpoint kept a step count of 0.
+        local.share_memory_()
     alive()
     return buffer
 
