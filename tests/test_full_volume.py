@@ -108,3 +108,25 @@ def test_a_full_volume_ends_the_job_with_a_fatal_event_not_a_restart_loop(data_d
     # ft_launcher restarts any failure, within its budget (2); each restart exits at once.
     log = (out / "logs" / "replica_0.log").read_text(errors="replace")
     assert log.count("will restart worker group") <= 2
+
+
+def test_a_full_dev_shm_ends_the_job_naming_it(data_dir: Path, tmp_path: Path) -> None:
+    """The async writer's staging buffers live in /dev/shm. With no room there the job ends with
+    one ``fatal`` that names /dev/shm (before: torch's path-less RuntimeError, read as a soft
+    fault, restarted in process until the retries ran out, then the job failed with exit 1)."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("mounting a small tmpfs on /dev/shm needs root and unshare")
+    run = tmp_path / "run"
+    script = 'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$@"'
+    train = [sys.executable, "-m", "trainer.cli", "train", "--quiet", "--data", str(data_dir), "--run-dir", str(run)]
+    proc = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
+         *train, "--steps", "12", "--ckpt-every", "6", "--ckpt-mode", "async", "--local-ckpt-every", "0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == FATAL_EXIT_CODE, proc.stderr[-3000:]
+    assert "no room in /dev/shm" in proc.stderr
+    events = read_events(run)
+    (fatal, *_) = [e for e in events if isinstance(e, Fatal)]
+    assert "[Errno 28]" in fatal.error and "'/dev/shm'" in fatal.error
+    assert len([e for e in events if isinstance(e, Restart)]) <= 1  # at most the one that met the fatal at once

@@ -435,7 +435,12 @@ class AsyncCheckpointWriter:
     def _staging(current: _Incarnation, state_dict: dict, alive: Callable[[], None]) -> dict:
         """The incarnation's shared-memory buffers shaped like ``state_dict``, made on first use."""
         if current.staging is None:
-            current.staging = _shared_buffers_like(state_dict, alive)
+            try:
+                current.staging = _shared_buffers_like(state_dict, alive)
+            except RuntimeError as e:  # torch says so in words only: no room in /dev/shm is no transient fault
+                if "No space left on device" not in str(e):
+                    raise
+                raise OSError(errno.ENOSPC, f"no room in /dev/shm for this rank's checkpoint staging buffers ({e})", "/dev/shm") from e
         return current.staging
 
     @staticmethod
