@@ -40,6 +40,7 @@ from trainer.checkpoint import (
     verify_checkpoint,
     write_rank_checksums,
 )
+from trainer.checkpoint.checkpointer import UnsignedResumeError
 from trainer.events import SAVE_PHASES, Checkpoint, CheckpointFailed, EventLog, RunWarning, read_events, select
 from trainer.fsutil import file_sha256
 from trainer.storage.mirror import CheckpointMirror
@@ -445,16 +446,25 @@ def test_resume_offers_its_checkpoint_to_the_mirror_once(one_rank: None, tmp_pat
 
 
 def test_retention_counts_only_what_resume_accepts(one_rank: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """After a signing-key rotation, and for a rerun with another config, resume rejects the older
-    run's checkpoints, which are newer than anything of the new one. Before, retention counted
-    them and deleted the new run's newest checkpoints as they were published; now they are set
-    aside (``step_N.rejected``, kept) and the new run keeps its own newest ``keep_last``."""
+    """After a signing-key rotation, a run whose every checkpoint fails its signature is refused
+    (it would start over on top of them, and its mirror's); nothing is set aside. With another key
+    for the old ones and a rerun with another config, resume rejects the older run's
+    checkpoints, which are newer than anything of the new one. Before, retention counted them and
+    deleted the new run's newest checkpoints as they were published; now they are set aside
+    (``step_N.rejected``, kept) and the new run keeps its own newest ``keep_last``."""
     monkeypatch.setenv(SIGNING_KEY_ENV, "the old key")
     run_steps(checkpointer(tmp_path, FakeWriter()), last=30)
     assert [s for s, _ in published_checkpoints(tmp_path / CHECKPOINTS)] == [27, 30]
     monkeypatch.setenv(SIGNING_KEY_ENV, "the new key")
+    with pytest.raises(UnsignedResumeError, match="no checkpoint of this run could be verified .* the key they were signed with"):
+        checkpointer(tmp_path, FakeWriter()).find_latest()
+    assert [s for s, _ in published_checkpoints(tmp_path / CHECKPOINTS)] == [27, 30]  # nothing set aside
+    run_steps(checkpointer(tmp_path / "new", FakeWriter()), last=1)  # one checkpoint the new key verifies
+    for step in (27, 30):
+        shutil.copytree(tmp_path / CHECKPOINTS / step_dir_name(step), tmp_path / "new" / CHECKPOINTS / step_dir_name(step))
+    tmp_path = tmp_path / "new"
     ckpt = checkpointer(tmp_path, FakeWriter())
-    assert ckpt.find_latest() == 0
+    assert ckpt.find_latest() == 1
     assert sorted(p.name for p in (tmp_path / CHECKPOINTS).glob("*.rejected")) == ["step_000027.rejected", "step_000030.rejected"]
     run_steps(ckpt, last=7)
     assert [s for s, _ in published_checkpoints(tmp_path / CHECKPOINTS)] == [6, 7]
@@ -505,3 +515,19 @@ def test_every_staging_buffer_is_in_shared_memory_before_any_write() -> None:
 
     assert any(t.dim() == 0 for t in tensors(staging))  # the step counts are there
     assert [t.is_shared() for t in tensors(staging)] == [True] * len(tensors(staging))
+
+
+def test_a_checkpoint_that_cannot_be_read_is_left_in_place(one_rank: None, tmp_path: Path) -> None:
+    """A read error (here the manifest is a folder: EISDIR; on a cluster a stale NFS handle or
+    EIO) may pass: the checkpoint is skipped but not set aside, and a run with nothing else to
+    resume from is refused instead of starting over on top of it."""
+    run_steps(checkpointer(tmp_path, FakeWriter(), keep_last=3), last=6)
+    assert [s for s, _ in published_checkpoints(tmp_path / CHECKPOINTS)] == [3, 6]
+    manifest = tmp_path / CHECKPOINTS / step_dir_name(6) / MANIFEST
+    manifest.unlink()
+    manifest.mkdir()
+    assert checkpointer(tmp_path, FakeWriter()).find_latest() == 3
+    assert [s for s, _ in published_checkpoints(tmp_path / CHECKPOINTS)] == [3, 6]  # step 6 stays where it is
+    shutil.rmtree(tmp_path / CHECKPOINTS / step_dir_name(3))
+    with pytest.raises(UnsignedResumeError, match="no checkpoint of this run could be verified"):
+        checkpointer(tmp_path, FakeWriter()).find_latest()

@@ -32,6 +32,7 @@ from trainer.checkpoint.trust import (
     MANIFEST,
     SIGNING_KEY_ENV,
     CheckpointError,
+    SignatureError,
     manifest_signature,
     open_checkpoint,
     rank_state_file,
@@ -99,7 +100,12 @@ class CheckpointWriterHung(RuntimeError):
 
 
 class UnsignedResumeError(CheckpointError, NonTransientError):
-    """The run's checkpoints are signed, and this process has no key to verify them with."""
+    """The run's checkpoints are signed, and this process has no key, or another key, to verify them with."""
+
+
+def _read_error(error: CheckpointError) -> bool:
+    """True when ``error`` came from reading a checkpoint (it may pass), not from its content."""
+    return isinstance(error.__cause__, OSError) and not isinstance(error.__cause__, FileNotFoundError)
 
 
 def step_dir_name(step: int) -> str:
@@ -257,16 +263,28 @@ class Checkpointer:
                 f"{step_dir_name(signed[-1])} and {len(signed) - 1} more checkpoint(s) of this run are signed, but "
                 f"${SIGNING_KEY_ENV} is not set: the run does not resume without its key (give it the secret)"
             )
-        chosen = None
+        chosen, refused = None, []
         for step, path in reversed(published):
             try:
                 open_checkpoint(path, fingerprint=self.fingerprint, world_size=self.world_size, checksums=True).metadata()
             except CheckpointError as e:
-                aside = self._set_aside(path)
-                self.events.emit(RunWarning(kind="checkpoint_skipped", step=step, reason=f"{e} (set aside as {aside.name})"))
+                refused.append((step, path, e))
                 continue
             chosen = step
             break
+        if chosen is None and (kept := [e for _, _, e in refused if isinstance(e, SignatureError) or _read_error(e)]):
+            # A rotated or wrong key, or a read error, would start the run over on top of its
+            # progress (and the mirror's): refused, nothing set aside.
+            return (
+                f"no checkpoint of this run could be verified ({kept[0]}): the run does not start over on top of them. "
+                f"Give it the key they were signed with (or let the storage recover), or move {self.root} aside to start over"
+            )
+        for step, path, e in refused:
+            if _read_error(e):  # it may pass (a stale NFS handle, EIO): skipped now, kept in place
+                self.events.emit(RunWarning(kind="checkpoint_skipped", step=step, reason=f"{e} (left in place)"))
+                continue
+            aside = self._set_aside(path)
+            self.events.emit(RunWarning(kind="checkpoint_skipped", step=step, reason=f"{e} (set aside as {aside.name})"))
         latest = latest_checkpoint(self.root.parent)
         if chosen is not None and (latest is None or latest.name != step_dir_name(chosen)):
             was = latest.name if latest else _latest_text(self.root)

@@ -47,6 +47,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, torn, corrupt or not trusted."""
 
 
+class SignatureError(CheckpointError):
+    """A checkpoint's manifest is not signed with the key this process holds."""
+
+
 def rank_state_file(rank: int) -> str:
     """Name of a rank's non-tensor state file inside a checkpoint."""
     return f"rank{rank}.pt"
@@ -127,7 +131,7 @@ def verify_checkpoint(path: Path, *, fingerprint: str | None = None, world_size:
     key = signing_key()
     if key is not None and not hmac.compare_digest(str(manifest.get("signature", "")), manifest_signature(manifest, key)):
         problem = "is not signed" if "signature" not in manifest else "has a signature that does not match"
-        raise CheckpointError(f"{path.name}: its manifest {problem} the key in ${SIGNING_KEY_ENV}")
+        raise SignatureError(f"{path.name}: its manifest {problem} the key in ${SIGNING_KEY_ENV}")
     if (step := checkpoint_step(path)) is not None and manifest.get("step") != step:
         raise CheckpointError(f"{path.name}: its manifest is of step {manifest.get('step')!r}, not {step} (copied or renamed)")
     if fingerprint is not None and manifest.get("fingerprint") != fingerprint:
