@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import fcntl
@@ -32,10 +33,13 @@ class EventLog:
 
     The last words of a run, ``fatal`` and ``run_end``, must reach the file on a full volume
     too: the ranks restarted by ft_launcher, the launcher and ``rfsdp train`` learn from the
-    ``fatal`` event that no restart can help. After its first append, a log makes sure
-    ``RUN_DIR/.events.reserve`` holds :data:`RESERVE_BYTES` (incompressible, so really
-    allocated); a last word that meets a full volume shrinks the reserve a chunk at a time,
-    under the lock, and tries again.
+    ``fatal`` event that no restart can help. Every other append first makes sure that
+    :data:`RESERVE_BYTES` past its end are allocated to ``events.jsonl`` itself (``fallocate``,
+    keeping the size): when the volume has no room for that, the append is refused (ENOSPC), and
+    the last words are written into that room, which no other file can take. Where the file
+    system cannot preallocate (NFS before 4.2), ``RUN_DIR/.events.reserve`` holds the room
+    instead (incompressible, so really allocated): a last word that meets a full volume shrinks
+    it a chunk at a time, under the lock, and tries again.
     """
 
     LAST_WORDS: ClassVar[tuple[type[Event], ...]] = (Fatal, RunEnd)
@@ -46,6 +50,7 @@ class EventLog:
         self.rank = rank
         self.host = socket.gethostname()
         self._reserve_checked = False
+        self._preallocates = True  # until the file system says it cannot
 
     def emit(self, event: E) -> E:
         """Append one event, stamped with the time, this log's rank and host; returns the stamped event.
@@ -65,6 +70,8 @@ class EventLog:
             size = os.fstat(fd).st_size
             if size and os.pread(fd, 1, size - 1) != b"\n":  # a writer died mid-line: end that line first
                 line = b"\n" + line
+            if not last_word and self._preallocates:
+                self._preallocates = _keep_room(fd, size + len(line), self.path)
             while True:
                 try:
                     _append_whole(fd, line, size, self.path)
@@ -92,10 +99,31 @@ def _append_whole(fd: int, data: bytes, size: int, path: Path) -> None:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             done += written
     except OSError as e:
-        with contextlib.suppress(OSError):
-            os.ftruncate(fd, size)
+        if done:  # (a truncate, even to the same size, would also drop the room kept past the end)
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
         code = e.errno if e.errno is not None else errno.EIO
         raise OSError(code, f"{e.strerror or e}: no event appended ({done} of {len(data)} bytes written, undone)", str(path)) from e
+
+
+_FALLOC_FL_KEEP_SIZE = 1  # <linux/falloc.h>
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def _keep_room(fd: int, end: int, path: Path) -> bool:
+    """Allocate :data:`RESERVE_BYTES` of ``fd``'s file past ``end`` (its size unchanged), for the
+    last words; False when the file system cannot preallocate.
+
+    Raises:
+        OSError: ENOSPC or EDQUOT, naming ``path``: the volume has no room left but the reserve.
+    """
+    if _libc.fallocate(fd, _FALLOC_FL_KEEP_SIZE, end, RESERVE_BYTES) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        raise OSError(code, f"{os.strerror(code)}: no event appended (the room left is kept for the run's last words)", str(path))
+    return False
 
 
 def _make_reserve(path: Path) -> None:
