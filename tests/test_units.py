@@ -513,3 +513,15 @@ def test_an_earlier_jobs_fatal_never_matches_a_new_job_with_the_same_pid(tmp_pat
     assert fatal_error(read_events(tmp_path), now) is None
     EventLog(tmp_path, 1).emit(Fatal(error="this job", job=now))
     assert fatal_error(read_events(tmp_path), now).error == "this job"
+
+
+def test_create_text_makes_one_file_whole_of_several_writers(tmp_path: Path) -> None:
+    """A run's identity is recorded once: of two launches racing to record theirs, the first
+    wins whole and the second learns it lost (and is then refused if its identity differs)."""
+    from trainer.fsutil import create_text
+
+    path = tmp_path / "config.json"
+    assert create_text(path, "first")
+    assert not create_text(path, "second")
+    assert path.read_text() == "first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]  # no temporary file left

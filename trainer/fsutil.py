@@ -37,3 +37,23 @@ def atomic_write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def create_text(path: Path, text: str) -> bool:
+    """Write ``text`` to ``path`` durably unless ``path`` exists (atomic: of several writers, one
+    file is made, whole); False when it existed.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink()
+    fsync_dir(path.parent)
+    return True

@@ -33,7 +33,7 @@ from trainer.data.shards import DataError, load_manifest, verify_shards
 from trainer.errors import FATAL_EXIT_CODE, ParameterError, as_pipeline_parameters
 from trainer.events import EventLog, RunEnd, Step, fatal_error, read_events
 from trainer.faults import NodeControl, NodeFault, NodeFaultInjector, parse_fault_spec
-from trainer.fsutil import atomic_write_text, file_sha256
+from trainer.fsutil import create_text, file_sha256
 from trainer.launch.progress import TrainingProgress
 from trainer.launch.spec import LaunchSpec
 from trainer.process import die_with_parent, process_start_ticks
@@ -224,7 +224,9 @@ def check_run_dir(cfg: TrainConfig) -> None:
     record = json.dumps(ident, indent=2)
     if local is None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, record)
+        # Of two launches racing here, the first records its identity; the other is refused.
+        if not create_text(path, record) and (detail := _other_identity(_read_identity(path), ident)):
+            raise ParameterError("run_dir", f"{cfg.run_dir} belongs to another training config ({detail})")
     if store is not None and remote is None:
         try:
             store.write_bytes(RUN_CONFIG, record.encode())

@@ -188,7 +188,8 @@ def serve(address: str, agent_pid: int) -> Request | None:
         return None  # another zygote serves this agent, or is importing
     try:
         agent = os.pidfd_open(agent_pid)
-    except ProcessLookupError:
+    except ProcessLookupError:  # the agent is gone already: no worker of it comes any more
+        os.unlink(lock_address(address))
         return None
     _preload()
     sys.stdout.flush()

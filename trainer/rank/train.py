@@ -487,13 +487,11 @@ def main(argv: list[str] | None = None, *, startup: dict[str, float] | None = No
         sys.stderr.flush()
         os._exit(1)
     writer.close()
-    if mirror is not None and not mirror.close():  # training is done; say what the mirror lost
+    if mirror is not None and not mirror.close():  # training is done; say what the mirror lost, if there is room to
         last = max((s for s, _ in published_checkpoints(Path(cfg.run_dir) / CHECKPOINTS)), default=0)
-        EventLog(Path(cfg.run_dir), 0).emit(
-            RunWarning(
-                kind="mirror_incomplete", step=last, reason=f"{cfg.checkpoint_uri} may lack the run's last files (stderr says which)"
-            )
-        )
+        reason = f"{cfg.checkpoint_uri} may lack the run's last files (see stderr)"
+        with contextlib.suppress(OSError):  # a full volume must not fail a finished run
+            EventLog(Path(cfg.run_dir), 0).emit(RunWarning(kind="mirror_incomplete", step=last, reason=reason))
 
 
 if __name__ == "__main__":  # required: NVRx's checkpoint worker is started with spawn
