@@ -130,3 +130,19 @@ def test_a_full_dev_shm_ends_the_job_naming_it(data_dir: Path, tmp_path: Path) -
     (fatal, *_) = [e for e in events if isinstance(e, Fatal)]
     assert "[Errno 28]" in fatal.error and "'/dev/shm'" in fatal.error
     assert len([e for e in events if isinstance(e, Restart)]) <= 1  # at most the one that met the fatal at once
+
+
+def test_the_fatal_event_is_written_when_stderr_is_full_too(tmp_path: Path) -> None:
+    """A rank's stderr is a log on the run's volume: when that volume is full, the print of the
+    fatal error fails as well. The event comes first, and the print's failure is ignored (in CI
+    the print raised first, no ``fatal`` was written and the job exited 1 instead of 3). /dev/full
+    stands in for the full log: every write to it fails with ENOSPC."""
+    code = (
+        "import sys; from pathlib import Path; from trainer.rank.train import end_job_fatally; "
+        "end_job_fatally(Path(sys.argv[1]), OSError(28, 'No space left on device'))"
+    )
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, stderr=full, timeout=300)
+    assert proc.returncode == FATAL_EXIT_CODE
+    (fatal,) = [e for e in read_events(tmp_path) if isinstance(e, Fatal)]
+    assert "No space left on device" in fatal.error

@@ -296,9 +296,11 @@ def end_job_fatally(run_dir: Path, cause: BaseException) -> None:
     stops them; its restarts of this job exit at once (:func:`main`).
     """
     error = f"{type(cause).__name__}: {cause}"
-    print(f"rank {os.environ.get('RANK')}: fatal, no restart can fix this: {error}", file=sys.stderr, flush=True)
+    # The event first: stderr may be a log on the same full volume, where the print fails too.
     with contextlib.suppress(OSError):
         EventLog(run_dir, int(os.environ.get("RANK", 0))).emit(Fatal(error=error, job=_job_id()))
+    with contextlib.suppress(OSError):
+        print(f"rank {os.environ.get('RANK')}: fatal, no restart can fix this: {error}", file=sys.stderr, flush=True)
     os._exit(FATAL_EXIT_CODE)  # not an exception: in-process restart would retry it
 
 
