@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import NOBODY, ROOT, as_unprivileged
+from tests.conftest import NOBODY, ROOT, as_unprivileged, need_a_mount_namespace
 from trainer.checkpoint import LOCAL_TIER_ROOT_ENV, local_tier_root
 from trainer.events import Checkpoint, CheckpointFailed, Fatal, RunEnd, RunWarning, read_events
 
@@ -31,13 +30,7 @@ NOBODY_UID = 65534
 
 def in_a_mount_namespace(script: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     """``sh -c script sh args...`` as root in a mount namespace of its own (skips where there is none)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    if not shutil.which("unshare"):
-        pytest.skip("no unshare: cannot mount a tmpfs in a mount namespace of its own")
-    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "true"], capture_output=True, text=True)
-    if probe.returncode:
-        pytest.skip(f"no mount namespace here: {probe.stderr.strip()}")
+    need_a_mount_namespace()
     env = {k: v for k, v in os.environ.items() if k != LOCAL_TIER_ROOT_ENV}
     return subprocess.run(
         ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *args],
@@ -58,9 +51,9 @@ def test_the_default_root_is_this_users_own(monkeypatch: pytest.MonkeyPatch) -> 
 # of root's must not use it.
 NOBODYS_TIER = """
 import os, stat
-from trainer.checkpoint import checkpointer
-root = checkpointer.local_tier_root()
-root, refused = getattr(checkpointer, "private_local_tier_root", lambda: (root, None))()  # what a rank checks first
+from trainer.checkpoint import local_tier
+root = local_tier.local_tier_root()
+root, refused = getattr(local_tier, "private_local_tier_root", lambda: (root, None))()  # what a rank checks first
 assert refused is None, refused
 (root / "run" / "0").mkdir(parents=True)  # what a rank's tier makes: its run's folder, its own in it
 print(root, oct(stat.S_IMODE(os.stat(root).st_mode)))

@@ -6,6 +6,7 @@
   writer here, NVRx's background writer in ``trainer.rank.resilience``).
 - ``trust``: what a checkpoint is trusted for, and :func:`open_checkpoint`, the one way its bytes
   are read.
+- ``local_tier``: the local tier's folders in node memory (each user's own root).
 - ``load``: the readers (model and optimizer tensors, a rank's state, the whole state), all
   through ``trust``.
 """
@@ -13,18 +14,14 @@
 from trainer.checkpoint.checkpointer import (
     CHECKPOINTS,
     LATEST,
-    LOCAL_TIER_ROOT,
-    LOCAL_TIER_ROOT_ENV,
     Checkpointer,
     latest_checkpoint,
     latest_is_corrupt,
-    local_tier_dir,
-    local_tier_root,
-    private_local_tier_root,
     published_checkpoints,
     step_dir_name,
 )
 from trainer.checkpoint.load import load_tensors, read_full_state, read_rank_state
+from trainer.checkpoint.local_tier import LOCAL_TIER_ROOT, LOCAL_TIER_ROOT_ENV, local_tier_dir, local_tier_root, private_local_tier_root
 from trainer.checkpoint.trust import (
     MANIFEST,
     SIGNING_KEY_ENV,
