@@ -27,15 +27,20 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see either the old or the whole new file."""
-    path = Path(path)
+def _durable_temp(path: Path, text: str) -> Path:
+    """``text`` written and synced to a temporary file beside ``path``; returns that file."""
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    return tmp
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see either the old or the whole new file."""
+    path = Path(path)
+    os.replace(_durable_temp(path, text), path)
     fsync_dir(path.parent)
 
 
@@ -44,11 +49,7 @@ def create_text(path: Path, text: str) -> bool:
     file is made, whole); False when it existed.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    tmp = _durable_temp(path, text)
     try:
         os.link(tmp, path)
     except FileExistsError:
