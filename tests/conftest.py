@@ -44,6 +44,17 @@ def as_unprivileged(command: list[str]) -> list[str]:
     return [*NOBODY, *command]
 
 
+def need_a_mount_namespace() -> None:
+    """Skip the test unless this process can mount a tmpfs in a mount namespace of its own (root, ``unshare``)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    if not shutil.which("unshare"):
+        pytest.skip("no unshare: cannot mount a tmpfs in a mount namespace of its own")
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "true"], capture_output=True, text=True)
+    if probe.returncode:
+        pytest.skip(f"no mount namespace here: {probe.stderr.strip()}")
+
+
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("data")

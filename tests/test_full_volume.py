@@ -9,15 +9,13 @@ reached a chosen step.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, need_a_mount_namespace
 from trainer.errors import FATAL_EXIT_CODE
 from trainer.events import EVENTS_FILE, Fatal, Restart, RunEnd, Step, corrupt_lines, read_events
 
@@ -63,13 +61,7 @@ for name in ("events.jsonl", "logs"):
 
 
 def run_on_a_filling_volume(data_dir: Path, tmp_path: Path) -> dict:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    if not shutil.which("unshare"):
-        pytest.skip("no unshare: cannot mount a tmpfs in a mount namespace of its own")
-    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "true"], capture_output=True, text=True)
-    if probe.returncode:
-        pytest.skip(f"no mount namespace here: {probe.stderr.strip()}")
+    need_a_mount_namespace()
     vol, out = tmp_path / "vol", tmp_path / "out"
     vol.mkdir()
     script = 'mount -t tmpfs -o size=16m tmpfs "$1" && exec "$2" -c "$3" "$1" "$4" "$5" "$6"'
@@ -114,8 +106,7 @@ def test_a_full_dev_shm_ends_the_job_naming_it(data_dir: Path, tmp_path: Path) -
     """The async writer's staging buffers live in /dev/shm. With no room there the job ends with
     one ``fatal`` that names /dev/shm (before: torch's path-less RuntimeError, read as a soft
     fault, restarted in process until the retries ran out, then the job failed with exit 1)."""
-    if os.geteuid() != 0 or not shutil.which("unshare"):
-        pytest.skip("mounting a small tmpfs on /dev/shm needs root and unshare")
+    need_a_mount_namespace()
     run = tmp_path / "run"
     script = 'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$@"'
     train = [sys.executable, "-m", "trainer.cli", "train", "--quiet", "--data", str(data_dir), "--run-dir", str(run)]
