@@ -27,9 +27,19 @@ from trainer.results.tracking import DEFAULT_EXPERIMENT
 def _prepare_data(args: argparse.Namespace) -> int:
     from trainer.data.prepare import prepare_dataset
 
-    manifest = prepare_dataset(args.source, args.out, shard_tokens=args.shard_tokens)
+    manifest = prepare_dataset(
+        args.source,
+        args.out,
+        shard_tokens=args.shard_tokens,
+        tokenizer=args.tokenizer,
+        text_field=args.text_field,
+        train_tokenizer=args.train_tokenizer,
+    )
     splits = ", ".join(f"{k}: {v['tokens']:,} tokens in {len(v['shards'])} shard(s)" for k, v in manifest["splits"].items())
-    print(f"prepared {args.out} ({splits}; tokenizer {manifest['tokenizer']})")
+    print(
+        f"prepared {args.out} ({splits}; tokenizer {manifest['tokenizer']}, vocab {manifest['vocab_size']:,}, "
+        f"{manifest['dtype']}; {manifest['skipped_records']:,} record(s) without {manifest['text_field']!r} skipped)"
+    )
     return 0
 
 
@@ -242,10 +252,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prepare-data", help="tokenize a corpus into checksummed shards")
     p.add_argument(
-        "--source", default=BUILTIN_CORPUS, help="corpus file, dir or s3:// prefix (default: the Python docs that ship with Python)"
+        "--source",
+        default=BUILTIN_CORPUS,
+        help="corpus: text, .jsonl or .parquet file, dir or s3:// prefix (default: the Python docs that ship with Python)",
     )
     p.add_argument("--out", required=True, help="output directory or s3://bucket/prefix for shards + manifest.json")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
+    p.add_argument("--tokenizer", help="Hugging Face tokenizer directory or tokenizer.json, local or s3:// (default: byte-level UTF-8)")
+    p.add_argument("--text-field", default="text", help="JSON lines field / Parquet column holding a record's text (default: text)")
+    p.add_argument(
+        "--train-tokenizer", type=int, default=0, metavar="VOCAB_SIZE", help="train a byte-level BPE of this vocabulary size on the corpus"
+    )
     p.set_defaults(func=_prepare_data)
 
     p = sub.add_parser(
