@@ -19,7 +19,16 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from trainer.cli import main as rfsdp_main
 from trainer.data.prepare import local_data, prepare_dataset
-from trainer.data.shards import MANIFEST, TokenLoader, data_vocab, load_manifest, load_split, tokenizer_dir, verify_shards
+from trainer.data.shards import (
+    MANIFEST,
+    TokenLoader,
+    builtin_corpus_text,
+    data_vocab,
+    load_manifest,
+    load_split,
+    tokenizer_dir,
+    verify_shards,
+)
 from trainer.errors import ParameterError
 from trainer.storage.store import upload_tree
 
@@ -126,6 +135,17 @@ def test_given_tokenizer_matches_its_own_encoding(trained: Path, docs: list[str]
         "tokenizer_files"
     ] == {"tokenizer.json": manifest["tokenizer_files"]["tokenizer.json"]}
     assert all_tokens(tmp_path / "e").tolist() == expected
+
+
+def test_a_text_file_in_many_blocks_encodes_as_a_whole(trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer.data import corpus
+
+    monkeypatch.setattr(corpus, "BLOCK_CHARS", 20_000)  # ~15 blocks, cut at line breaks
+    text = builtin_corpus_text()[:300_000]
+    (tmp_path / "c.txt").write_text(text)
+    prepare_dataset(str(tmp_path / "c.txt"), str(tmp_path / "d"), tokenizer=str(trained / "tokenizer"))
+    tok = Tokenizer.from_file(str(trained / "tokenizer" / "tokenizer.json"))
+    assert all_tokens(tmp_path / "d").tolist() == tok.encode(text, add_special_tokens=False).ids
 
 
 def test_parquet_rows_are_documents_and_nulls_are_counted(docs: list[str], tmp_path: Path) -> None:

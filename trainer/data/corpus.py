@@ -25,7 +25,7 @@ from trainer.errors import ParameterError
 from trainer.storage.store import StorageError, is_remote, open_storage
 
 BLOCK_CHARS = 1 << 20
-"""A text file is handed on in blocks of about this many characters, cut at a line start."""
+"""A text file is handed on in blocks of about this many characters, cut at a line break."""
 JSON_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
 PARQUET_BATCH_ROWS = 1024
@@ -161,8 +161,8 @@ class Corpus:
 
 
 def _text_blocks(path: Path, *, newline: str | None) -> Iterator[tuple[bool, str]]:
-    """One document: the file's text in blocks cut where a line starts with a non-space
-    character (so a tokenizer's pre-tokenization sees the same words as in the whole text).
+    """One document: the file's text in blocks cut at a line break (see :func:`_seam`), so a
+    tokenizer's pre-tokenization sees the same words as in the whole text.
     """
     first = True
     pending = ""
@@ -177,14 +177,15 @@ def _text_blocks(path: Path, *, newline: str | None) -> Iterator[tuple[bool, str
 
 
 def _seam(text: str) -> int:
-    """Where to cut ``text`` (0: not yet): after the last newline followed by a non-space
-    character; past 4 blocks without one, after the last newline, else anywhere.
+    """Where to cut ``text`` (0: not yet): after the last lone newline between two non-space
+    characters (GPT-2 and Llama style pre-tokenizers split there as in the whole text); past 4
+    blocks without one, after the last newline, else anywhere.
     """
     if len(text) < BLOCK_CHARS:
         return 0
     end = len(text) - 1
-    while (i := text.rfind("\n", 0, end)) >= 0 and len(text) - i < BLOCK_CHARS:
-        if not text[i + 1].isspace():
+    while (i := text.rfind("\n", 1, end)) >= 0 and len(text) - i < BLOCK_CHARS:
+        if not text[i + 1].isspace() and not text[i - 1].isspace():
             return i + 1
         end = i
     if len(text) < 4 * BLOCK_CHARS:

@@ -27,7 +27,7 @@ from trainer.fsutil import file_sha256
 from trainer.storage.store import StorageError, check_key, is_remote, open_storage, upload_tree
 
 DEFAULT_SHARD_TOKENS = 1 << 20
-BATCH_CHARS = 4 << 20
+BATCH_CHARS = 1 << 20
 """Text is tokenized (and written) in batches of about this many characters."""
 
 
