@@ -51,10 +51,9 @@ from bench.common import (
 from trainer.checkpoint import Checkpointer, SyncDcpWriter
 from trainer.data.shards import TokenLoader, load_split
 from trainer.events import Checkpoint, EventLog, read_events, select
-from trainer.rank.config import ModelSize
-from trainer.rank.model import parameter_count
+from trainer.models.builtin import BuiltinModel, ModelSize, size_parameters
 from trainer.rank.resilience import AsyncCheckpointWriter, RankMonitor
-from trainer.rank.runtime import build_fsdp_model, detect_runtime, init_process_group
+from trainer.rank.runtime import detect_runtime, init_process_group, seed_everything, shard_model
 from trainer.rank.train import TrainState, train_step
 
 METHODS = ("nvrx_async", "torch_save", "dcp_save", "dcp_async_save")
@@ -196,10 +195,11 @@ def worker(args: argparse.Namespace) -> None:
     harness = dist.new_group(backend="gloo", timeout=timeout)
 
     async_writer = AsyncCheckpointWriter(cuda=False)  # before the state exists, as in the trainer: its worker is forked now
-    model = build_fsdp_model(size, rt, seed=0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    seed_everything(0)
+    spec = shard_model(BuiltinModel(size), rt)
+    optimizer = torch.optim.AdamW(spec.module.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     loader = TokenLoader(load_split(Path(args.data), "train"), size.seq_len, params["batch"], rt.rank, rt.world_size)
-    state = TrainState(model, optimizer, loader, RankMonitor(), ckpt_group)
+    state = TrainState(spec, optimizer, loader, RankMonitor(), ckpt_group)
     work = Path(args.work)
     methods = {
         "nvrx_async": _CheckpointerMethod(work / "nvrx_async", async_writer, state, ckpt_group),
@@ -254,7 +254,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.gather_object({"records": records, "torch_save_write_s": write_s}, gathered if rt.rank == 0 else None, dst=0, group=harness)
     if rt.rank == 0:
         state_bytes = sum(
-            t.numel() * t.element_size() * rt.world_size for t in _flat_tensors(_local(get_state_dict(model, optimizer)))
+            t.numel() * t.element_size() * rt.world_size for t in _flat_tensors(_local(get_state_dict(spec.module, optimizer)))
         )  # every rank holds an equal shard
         Path(args.out).write_text(json.dumps({"ranks": gathered, "state_bytes": state_bytes}))
     dist.destroy_process_group()
@@ -333,7 +333,7 @@ def summarize(raw: dict, params: dict, phases: dict[str, list[dict[str, float]]]
         "benchmark": "checkpoint",
         "params": {
             "model": {"dim": params["size"].dim, "layers": params["size"].layers, "seq_len": params["size"].seq_len},
-            "parameters": parameter_count(params["size"]),
+            "parameters": size_parameters(params["size"]),
             "state_bytes": raw["state_bytes"],
             "batch_size": params["batch"],
             "ranks": len(raw["ranks"]),

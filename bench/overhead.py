@@ -85,10 +85,10 @@ def plain_worker(args: argparse.Namespace) -> None:
     cfg = TrainConfig(data=args.data, run_dir=args.out, model=args.model, steps=args.steps)
     rt = detect_runtime()
     init_process_group(rt, None, timeout_s=600)
-    model = build_fsdp_model(cfg.size, rt, cfg.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    loader = TokenLoader(load_split(Path(cfg.data), "train"), cfg.size.seq_len, cfg.batch_size, rt.rank, rt.world_size)
-    state = TrainState(model, optimizer, loader, RankMonitor(), dist.group.WORLD)
+    spec = build_fsdp_model(cfg.model, rt, cfg.seed)
+    optimizer = torch.optim.AdamW(spec.module.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    loader = TokenLoader(load_split(Path(cfg.data), "train"), cfg.seq_len or spec.seq_len, cfg.batch_size, rt.rank, rt.world_size)
+    state = TrainState(spec, optimizer, loader, RankMonitor(), dist.group.WORLD)
     times = []
     for step in range(1, cfg.steps + 1):
         train_step(state, lr_at(cfg, step), cfg.grad_clip, rt.device)

@@ -144,10 +144,10 @@ def test_the_snapshot_maps_the_live_state_once_and_follows_it(one_rank: dist.Pro
     """The local snapshot reuses its mapping of the live tensors from step to step: at every step,
     and after a restore, it holds what DCP's ``get_state_dict`` maps to then, learning rate included."""
     size = MODEL_SIZES["tiny"]
-    model = build_fsdp_model(size, Runtime(torch.device("cpu"), "gloo", rank=0, local_rank=0, world_size=1), seed=0)
-    optimizer = torch.optim.AdamW(model.parameters())
+    spec = build_fsdp_model("tiny", Runtime(torch.device("cpu"), "gloo", rank=0, local_rank=0, world_size=1), seed=0)
+    optimizer = torch.optim.AdamW(spec.module.parameters())
     loader = TokenLoader(np.arange(5000, dtype=np.uint16) % size.vocab_size, size.seq_len, 2, rank=0, world_size=1)
-    state = TrainState(model, optimizer, loader, RankMonitor(), one_rank)
+    state = TrainState(spec, optimizer, loader, RankMonitor(), one_rank)
 
     def mapped_now(step: int) -> dict:
         tensors, rank_state = state.snapshot(step)

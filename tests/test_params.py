@@ -60,7 +60,7 @@ def test_train_help_shows_defaults_choices_fault_kinds_and_an_example(capsys: py
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "--ckpt-mode {async,sync}" in text and "--model {tiny,small,base,large,1b}" in text
+    assert "--ckpt-mode {async,sync}" in text and "--model MODEL" in text and "hf:PATH" in text
     assert "(default: 10)" in text and "(default: 'async')" in text
     assert all(f"{kind}:" in text for kind in FAULT_KINDS)
     assert "example: rfsdp train --data" in text

@@ -29,16 +29,16 @@ from typing import IO, Any, Protocol
 from trainer.checkpoint import local_tier_dir, local_tier_root
 from trainer.data.prepare import local_data
 from trainer.data.shards import MANIFEST as DATA_MANIFEST
-from trainer.data.shards import DataError, load_manifest, verify_shards
+from trainer.data.shards import DataError, data_vocab, load_manifest, verify_shards
 from trainer.errors import FATAL_EXIT_CODE, ParameterError, as_pipeline_parameters
 from trainer.events import EventLog, RunEnd, Step, fatal_error, read_events
 from trainer.faults import NodeControl, NodeFault, NodeFaultInjector, parse_fault_spec
 from trainer.fsutil import create_text, file_sha256
 from trainer.launch.progress import TrainingProgress
 from trainer.launch.spec import LaunchSpec
+from trainer.models import ModelInfo, check_model, parameter_count
 from trainer.process import die_with_parent, process_start_ticks
 from trainer.rank.config import TRAJECTORY_FIELDS, Timeouts, TrainConfig, replica_cliques
-from trainer.rank.model import parameter_count
 from trainer.storage.store import StorageError, open_storage
 
 RUN_CONFIG = "config.json"
@@ -123,9 +123,28 @@ def check_launch(cfg: TrainConfig, spec: LaunchSpec, *, verify_data: bool = True
             verify_shards(data, manifest)
     except (DataError, StorageError) as e:
         raise ParameterError("data", str(e)) from e
+    info = check_model_fits(cfg, manifest)
     check_run_dir(cfg)  # the run dir's and the mirror location's identity: checked, then recorded
     if cfg.local_ckpt_every:
-        check_local_tier(cfg, spec, free_bytes=shutil.disk_usage(_existing_parent(local_tier_root())).free)
+        free = shutil.disk_usage(_existing_parent(local_tier_root())).free
+        check_local_tier(cfg, spec, free_bytes=free, parameters=info.parameters)
+
+
+def check_model_fits(cfg: TrainConfig, manifest: dict) -> ModelInfo:
+    """Check the model (path, config, weights, factory) and that its vocabulary covers the data's
+    token ids; settle ``cfg.seq_len`` (0: the model's default), so every rank and the run's
+    record see the same number. Raises ParameterError naming ``model``.
+    """
+    info = check_model(cfg.model)
+    vocab, largest = data_vocab(manifest)
+    if info.vocab_size <= largest:
+        problem = (
+            f"{cfg.model} has a vocabulary of {info.vocab_size}, smaller than the data's largest token id {largest} "
+            f"(--data {cfg.data}: tokenizer {manifest.get('tokenizer')}, vocabulary {vocab})"
+        )
+        raise ParameterError("model", problem)
+    cfg.seq_len = cfg.seq_len or info.seq_len
+    return info
 
 
 def check_local_replicas(cfg: TrainConfig, spec: LaunchSpec) -> None:
@@ -144,19 +163,19 @@ LOCAL_MARGIN = 1.25
 """Headroom over the estimate: the loader, RNG and optimizer metadata, and the write's buffers."""
 
 
-def local_tier_bytes(cfg: TrainConfig, spec: LaunchSpec) -> int:
+def local_tier_bytes(cfg: TrainConfig, spec: LaunchSpec, *, parameters: int | None = None) -> int:
     """Memory the local tier needs on one node: per rank, ``LOCAL_SNAPSHOTS`` snapshots of its
     shards of the parameters and AdamW's two moments (fp32), with ``LOCAL_MARGIN``, for itself
     and for every peer whose replica it holds (its replication clique's size, the largest one's).
     """
-    per_rank = parameter_count(cfg.size) * (1 + 2) * 4 / spec.world_size
+    per_rank = (parameters or parameter_count(cfg.model)) * (1 + 2) * 4 / spec.world_size
     copies = max(len(c) for c in replica_cliques(spec.nnodes, spec.nproc_per_node, cfg.replicas(spec.nnodes)))
     return int(per_rank * copies * LOCAL_SNAPSHOTS * LOCAL_MARGIN * spec.nproc_per_node)
 
 
-def check_local_tier(cfg: TrainConfig, spec: LaunchSpec, *, free_bytes: int) -> None:
+def check_local_tier(cfg: TrainConfig, spec: LaunchSpec, *, free_bytes: int, parameters: int | None = None) -> None:
     """Refuse a local tier that ``free_bytes`` of node memory (``/dev/shm``) cannot hold."""
-    need = local_tier_bytes(cfg, spec)
+    need = local_tier_bytes(cfg, spec, parameters=parameters)
     if need > free_bytes:
         replicas = cfg.replicas(spec.nnodes)
         held = f" (and of the peers they hold replicas of, --local-replicas {replicas})" if replicas else ""

@@ -12,28 +12,11 @@ from typing import Any
 
 from trainer.errors import ParameterError
 from trainer.faults import FAULT_KINDS, Fault, parse_fault_spec
+from trainer.models import MODEL_SIZES, check_model_name
 
 CKPT_MODES = ("async", "sync")
 
 
-@dataclass(frozen=True, slots=True)
-class ModelSize:
-    """Shape of one named model size."""
-
-    dim: int
-    layers: int
-    heads: int
-    seq_len: int
-    vocab_size: int = 256  # the byte-level tokenizer's vocabulary
-
-
-MODEL_SIZES: dict[str, ModelSize] = {
-    "tiny": ModelSize(dim=64, layers=2, heads=4, seq_len=64),  # ~0.1M params: tests
-    "small": ModelSize(dim=256, layers=4, heads=8, seq_len=128),  # ~3M: demo
-    "base": ModelSize(dim=768, layers=12, heads=12, seq_len=256),  # ~85M
-    "large": ModelSize(dim=1024, layers=24, heads=16, seq_len=512),  # ~300M
-    "1b": ModelSize(dim=2048, layers=18, heads=16, seq_len=1024),  # ~0.9B: GPUs
-}
 LOCAL_TIER_MODELS = ("tiny", "small")
 """Models whose local tier is on by default, a snapshot every step: their two snapshots per rank
 take at most about 100 MiB of a node's memory, and a snapshot's copy stalls the step far less than
@@ -42,8 +25,8 @@ a recovery to the durable checkpoint costs (docs/checkpoints.md). A larger model
 
 # Fields that define the training trajectory: resuming a run dir requires them to match.
 TRAJECTORY_FIELDS = (
-    "model", "seed", "steps", "batch_size", "lr", "warmup_steps", "min_lr_ratio",
-    "weight_decay", "grad_clip", "world_size",
+    "model", "seed", "steps", "batch_size", "seq_len", "grad_accum_steps", "lr", "warmup_steps",
+    "min_lr_ratio", "weight_decay", "grad_clip", "world_size",
 )  # fmt: skip
 
 
@@ -56,7 +39,9 @@ class TrainConfig:
     run_dir: str
     """Run directory: events, checkpoints, fault markers."""
     model: str = "tiny"
-    """Named model size (see ``MODEL_SIZES``)."""
+    """The model: a built-in size (tiny, small, base, large, 1b), ``hf:PATH`` (a Hugging Face
+    causal LM: a directory, s3:// prefix or hub id with config.json and optionally safetensors
+    weights to continue from) or ``py:package.module:factory`` (your own module; docs/models.md)."""
     steps: int = 60
     """Total optimizer steps of the run (sets the LR schedule)."""
     stop_at_step: int = 0
@@ -79,7 +64,15 @@ class TrainConfig:
     seed: int = 0
     """Seed for initialization (and anything random)."""
     batch_size: int = 8
-    """Sequences per rank per step."""
+    """Sequences per rank per micro-batch."""
+    seq_len: int = 0
+    """Tokens per sequence (0: the model's default: a built-in size's own, an HF model's
+    max_position_embeddings up to 1024)."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step (gradients accumulated, synced once)."""
+    activation_checkpointing: bool = False
+    """Recompute each FSDP unit's activations in backward instead of keeping them (less memory,
+    about a third more compute)."""
     lr: float = 3e-3
     """Peak learning rate of AdamW."""
     warmup_steps: int = 10
@@ -116,8 +109,7 @@ class TrainConfig:
     """Parsed ``fault`` (derived)."""
 
     def __post_init__(self) -> None:
-        if self.model not in MODEL_SIZES:
-            raise ParameterError("model", f"unknown model {self.model!r} (known: {', '.join(MODEL_SIZES)})")
+        check_model_name(self.model)
         if self.log_every < 0:
             raise ParameterError("log_every", f"must be at least 0, got {self.log_every}")
         if self.local_ckpt_every < -1:
@@ -130,7 +122,11 @@ class TrainConfig:
             raise ParameterError("local_replicas", f"{self.local_replicas} replica(s) of local snapshots need --local-ckpt-every (0: off)")
         if self.max_inprocess_restarts < 0:
             raise ParameterError("max_inprocess_restarts", f"must be at least 0, got {self.max_inprocess_restarts}")
-        for name in ("steps", "ckpt_every", "keep_last", "batch_size", "world_size"):
+        if self.seq_len < 0:
+            raise ParameterError("seq_len", f"must be at least 0 (0: the model's default), got {self.seq_len}")
+        if self.seq_len == 0 and self.model in MODEL_SIZES:  # (an HF or py: model's is known once it is read)
+            self.seq_len = MODEL_SIZES[self.model].seq_len
+        for name in ("steps", "ckpt_every", "keep_last", "batch_size", "grad_accum_steps", "world_size"):
             if getattr(self, name) <= 0:
                 raise ParameterError(name, f"must be positive, got {getattr(self, name)}")
         if not 0 <= self.stop_at_step <= self.steps:
@@ -169,11 +165,6 @@ class TrainConfig:
         if self.local_replicas >= 0:
             return self.local_replicas
         return 1 if nnodes > 1 and self.local_ckpt_every else 0
-
-    @property
-    def size(self) -> ModelSize:
-        """The model's shape."""
-        return MODEL_SIZES[self.model]
 
     def to_dict(self) -> dict:
         """Plain fields, without derived ones."""
@@ -229,7 +220,7 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, include_world: bool 
     """
     helps = _field_docs()
     helps["fault"] += " Kinds: " + "; ".join(f"{kind}: {what}" for kind, what in FAULT_KINDS.items()) + "."
-    choices = {"model": list(MODEL_SIZES), "ckpt_mode": list(CKPT_MODES)}
+    choices = {"ckpt_mode": list(CKPT_MODES)}
     for f in dataclasses.fields(TrainConfig):
         if f.name == "faults" or (f.name == "world_size" and not include_world):
             continue

@@ -7,16 +7,17 @@ precision with fp32 reduction.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from trainer.rank.config import ModelSize
-from trainer.rank.model import Transformer
+from trainer.models import ModelSpec, build_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,15 +64,50 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_fsdp_model(size: ModelSize, rt: Runtime, seed: int) -> Transformer:
-    """The model, identically initialized on every rank, sharded with FSDP2 per block + root."""
+def build_fsdp_model(name: str, rt: Runtime, seed: int, *, activation_checkpointing: bool = False, cache: Path | None = None) -> ModelSpec:
+    """The model ``name`` (see :func:`trainer.models.build_model`), identically initialized on
+    every rank, sharded with FSDP2 per unit, then the root; a model built on the meta device gets
+    its memory and weights once sharded (each rank reads only its own shards).
+    """
     seed_everything(seed)
-    model = Transformer(size).to(rt.device)
+    return shard_model(build_model(name, cache=cache), rt, activation_checkpointing=activation_checkpointing)
+
+
+def shard_model(spec: ModelSpec, rt: Runtime, *, activation_checkpointing: bool = False) -> ModelSpec:
+    """Shard ``spec``'s module with FSDP2 (each unit, then the root) on ``rt``; returns ``spec``."""
+    on_meta = any(p.is_meta for p in spec.module.parameters())
+    if not on_meta:
+        spec.module.to(rt.device)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if rt.is_cuda else MixedPrecisionPolicy()
-    for block in model.blocks:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    return model
+    for unit in spec.fsdp_units():
+        if activation_checkpointing:
+            recompute_in_backward(unit)
+        fully_shard(unit, mp_policy=mp)
+    fully_shard(spec.module, mp_policy=mp)
+    if on_meta:
+        spec.materialize(rt.device)
+    return spec
+
+
+def build_unsharded(name: str, seed: int, *, cache: Path | None = None) -> ModelSpec:
+    """The model ``name`` at the run's initialization, whole, on the CPU, in one process (what
+    :func:`build_fsdp_model` starts from, before sharding; an HF model's weights read whole).
+    """
+    seed_everything(seed)
+    spec = build_model(name, cache=cache)
+    if any(p.is_meta for p in spec.module.parameters()):
+        spec.materialize(torch.device("cpu"))
+    return spec
+
+
+def recompute_in_backward(unit: torch.nn.Module) -> None:
+    """Activation checkpointing of ``unit``: its forward keeps only its inputs, and backward runs
+    it again. Its parameter names stay as they are (the checkpoint and the weights' names).
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    forward = unit.forward
+    unit.forward = functools.partial(checkpoint, forward, use_reentrant=False)
 
 
 def rng_state() -> dict:

@@ -58,6 +58,7 @@ from trainer.events import (
     recovery_layer,
 )
 from trainer.faults import FaultInjector
+from trainer.models import ModelSpec
 from trainer.process import die_with_parent, process_start_time
 from trainer.rank.config import Timeouts, TrainConfig, add_train_arguments, replica_cliques
 from trainer.rank.resilience import (
@@ -106,29 +107,31 @@ def progress_reports(alive: Callable[[], None]) -> Callable[[], None]:
     return report
 
 
-def report_progress_within_steps(model: torch.nn.Module, report: Callable[[], None]) -> None:
-    """Call ``report`` (from :func:`progress_reports`) from within each step too: as each block's
-    forward ends and as its gradient arrives in backward. A step slower than the hang timeout (a
+def report_progress_within_steps(units: list[torch.nn.Module], report: Callable[[], None]) -> None:
+    """Call ``report`` (from :func:`progress_reports`) from within each step too: as each FSDP
+    unit's forward ends and as its gradient arrives in backward. A step slower than the hang timeout (a
     large model on CPU) is then not taken for a hang, while a rank stuck in a collective or
     anywhere outside the model still is: the reports stop with it.
     """
 
-    def after_forward(block: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+    def after_forward(unit: torch.nn.Module, args: tuple, output: object) -> None:
         report()
-        if output.requires_grad:
-            output.register_hook(lambda grad: report())  # returns None: the gradient is unchanged
+        first = output[0] if isinstance(output, tuple | list) else output  # (HF layers return tuples in some versions)
+        if isinstance(first, torch.Tensor) and first.requires_grad:
+            first.register_hook(lambda grad: report())  # returns None: the gradient is unchanged
 
-    for block in model.blocks:
-        block.register_forward_hook(after_forward)
+    for unit in units:
+        unit.register_forward_hook(after_forward)
 
 
 class TrainState:
     """What a checkpoint holds: sharded model + optimizer, and each rank's loader, RNG, counters."""
 
     def __init__(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: TokenLoader, monitor: RankMonitor, group: dist.ProcessGroup
+        self, spec: ModelSpec, optimizer: torch.optim.Optimizer, loader: TokenLoader, monitor: RankMonitor, group: dist.ProcessGroup
     ) -> None:
-        self.model, self.optimizer, self.loader, self.monitor, self.group = model, optimizer, loader, monitor, group
+        self.spec, self.model = spec, spec.module
+        self.optimizer, self.loader, self.monitor, self.group = optimizer, loader, monitor, group
         self._live_shards: dict | None = None
         """The local tier's tensor state: :meth:`snapshot`'s tree of the live tensors, each DTensor
         as this rank's shard; mapped once, mapped again after a restore (which may make new tensors)."""
@@ -217,15 +220,25 @@ def resume(checkpointer: Checkpointer, local: LocalTier | None, state: TrainStat
     return durable, "durable"
 
 
-def train_step(state: TrainState, lr: float, grad_clip: float, device: torch.device, *, stop: bool = False) -> tuple[float, bool]:
-    """One optimizer step; returns the loss averaged over all ranks (exact float) and whether any
-    rank asked to ``stop`` (agreed in the loss's all-reduce: no extra collective per step).
+def train_step(
+    state: TrainState, lr: float, grad_clip: float, device: torch.device, *, accum: int = 1, stop: bool = False
+) -> tuple[float, bool]:
+    """One optimizer step over ``accum`` micro-batches; returns the loss averaged over all ranks
+    (exact float) and whether any rank asked to ``stop`` (agreed in the loss's all-reduce: no
+    extra collective per step).
     """
-    inputs, targets = state.loader.next_batch()
     for group in state.optimizer.param_groups:
         group["lr"] = lr
-    loss = state.model(inputs.to(device), targets.to(device))
-    loss.backward()
+    loss = torch.zeros((), device=device)
+    for micro in range(accum):
+        inputs, targets = state.loader.next_batch()
+        if accum > 1:  # gradients are reduced across ranks once, with the last micro-batch
+            state.model.set_requires_gradient_sync(micro == accum - 1)
+        micro_loss = state.spec.loss(inputs.to(device), targets.to(device))
+        if accum > 1:
+            micro_loss = micro_loss / accum
+        micro_loss.backward()
+        loss = micro_loss.detach() if accum == 1 else loss + micro_loss.detach()
     torch.nn.utils.clip_grad_norm_(state.model.parameters(), grad_clip)
     state.optimizer.step()
     state.optimizer.zero_grad(set_to_none=True)
@@ -355,10 +368,11 @@ def _train(
 
     monitor = RankMonitor()
     marks["rank_monitor"] = time.time()
-    model = build_fsdp_model(cfg.size, rt, cfg.seed)
+    spec = build_fsdp_model(cfg.model, rt, cfg.seed, activation_checkpointing=cfg.activation_checkpointing, cache=run_dir / "model_cache")
+    model, seq_len = spec.module, cfg.seq_len or spec.seq_len
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    loader = TokenLoader(load_split(local_data(cfg.data, run_dir), "train"), cfg.size.seq_len, cfg.batch_size, rt.rank, rt.world_size)
-    state = TrainState(model, optimizer, loader, monitor, ckpt_group)
+    loader = TokenLoader(load_split(local_data(cfg.data, run_dir), "train"), seq_len, cfg.batch_size, rt.rank, rt.world_size)
+    state = TrainState(spec, optimizer, loader, monitor, ckpt_group)
     local = None
     if cfg.local_ckpt_every:
         tier_dir = local_tier_dir(run_dir, cfg.trajectory_hash())
@@ -382,7 +396,7 @@ def _train(
         attempt.ping()
 
     alive_within_work = progress_reports(alive)
-    report_progress_within_steps(model, alive_within_work)
+    report_progress_within_steps(spec.fsdp_units(), alive_within_work)
 
     checkpointer = Checkpointer(
         run_dir, writer=writer, group=ckpt_group, save_group=save_group, events=events, every=cfg.ckpt_every,
@@ -404,7 +418,7 @@ def _train(
         events.emit(RunStart(config=cfg.to_dict(), resumed_from_step=start, world_size=rt.world_size, phases=phases))
 
     last = cfg.stop_at_step or cfg.steps
-    tokens_per_step = cfg.batch_size * cfg.size.seq_len * rt.world_size
+    tokens_per_step = cfg.batch_size * seq_len * cfg.grad_accum_steps * rt.world_size
     progress = ProgressLines(cfg.log_every, last, history.restarts_in_session)
     # A fault anywhere below ends this incarnation; what it was saving is never published (the
     # writer abandons it when the next incarnation's group arrives) and that one resumes from the
@@ -413,7 +427,7 @@ def _train(
     for step in range(start + 1, last + 1):
         faults.maybe_fire(step)
         t0 = time.perf_counter()
-        loss, stop = train_step(state, lr_at(cfg, step), cfg.grad_clip, rt.device, stop=preemption.requested)
+        loss, stop = train_step(state, lr_at(cfg, step), cfg.grad_clip, rt.device, accum=cfg.grad_accum_steps, stop=preemption.requested)
         step_time = time.perf_counter() - t0
         alive()
         if rt.rank == 0:

@@ -60,9 +60,9 @@ from trainer.data.shards import DataError, TokenLoader, load_manifest, load_spli
 from trainer.events import RunStart, final_losses, read_events, select
 from trainer.launch.local import RUN_CONFIG, launch_local
 from trainer.launch.spec import LaunchSpec
+from trainer.models import ModelSpec
 from trainer.rank.config import TrainConfig
-from trainer.rank.model import Transformer
-from trainer.rank.runtime import seed_everything
+from trainer.rank.runtime import build_unsharded
 from trainer.results.states import differences, load_resharded, tensors
 from trainer.storage.store import StorageError
 
@@ -189,7 +189,7 @@ class _Target:
     manifest: dict | None = None
     state: dict | None = None
     """The checkpoint's full (unsharded) tensors, as ``read_full_state`` returns them."""
-    model: Transformer | None = None
+    model: ModelSpec | None = None
 
 
 def validate_run(
@@ -290,8 +290,8 @@ def _check_data(cfg: TrainConfig) -> None:
         verify_shards(Path(cfg.data), manifest)
         if "val" not in manifest["splits"]:
             raise DataError(f"{cfg.data} has no 'val' split")
-        if manifest["splits"]["val"]["tokens"] < cfg.size.seq_len + 2:
-            raise DataError(f"the val split of {cfg.data} is shorter than one sequence of {cfg.size.seq_len} tokens")
+        if manifest["splits"]["val"]["tokens"] < cfg.seq_len + 2:
+            raise DataError(f"the val split of {cfg.data} is shorter than one sequence of {cfg.seq_len} tokens")
     except (DataError, OSError, KeyError) as e:
         raise ValidationError(f"--data {cfg.data}: {e}") from None
 
@@ -398,9 +398,9 @@ def _check_loadable(t: _Target) -> Check:
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = read_full_state(t.path)
-    model = Transformer(t.cfg.size)
-    optimizer = torch.optim.AdamW(model.parameters())
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])  # strict: keys and shapes
+    model = _build(t.cfg)
+    optimizer = torch.optim.AdamW(model.module.parameters())
+    set_state_dict(model.module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])  # strict: keys and shapes
     t.state, t.model = state, model
     world = t.manifest["world_size"] + 1  # any other world size reshards; one more rank keeps it small
     resharded = load_resharded(t.path, t.cfg, world)
@@ -441,15 +441,14 @@ def _check_finite(t: _Target) -> Check:
 def _check_quality(t: _Target) -> Check:
     """Eval loss on the val split against the same model at initialization."""
     val = load_split(Path(t.cfg.data), "val")
-    seed_everything(t.cfg.seed)  # the run's initialization, as build_fsdp_model does it
-    initial = Transformer(t.cfg.size)
+    initial = _build(t.cfg)  # the run's initialization, as build_fsdp_model makes it
     eval_loss, init_loss = _eval_loss(t.model, val, t.cfg), _eval_loss(initial, val, t.cfg)
     values = {
         "eval_loss": eval_loss,
         "init_loss": init_loss,
         "improvement": init_loss - eval_loss,
         "margin": t.quality_margin,
-        "eval_tokens": EVAL_BATCHES * t.cfg.batch_size * t.cfg.size.seq_len,
+        "eval_tokens": EVAL_BATCHES * t.cfg.batch_size * (t.cfg.seq_len or t.model.seq_len),
     }
     passed = init_loss - eval_loss >= t.quality_margin  # False for a NaN loss as well
     relation = "at least" if passed else "less than"
@@ -535,12 +534,17 @@ def _trajectory(rank_state: dict) -> dict:
     return {k: rank_state.get(k) for k in TRAJECTORY_RANK_STATE}
 
 
-def _eval_loss(model: Transformer, tokens, cfg: TrainConfig) -> float:
+def _build(cfg: TrainConfig) -> ModelSpec:
+    """The run's model at its initialization, whole, in this process."""
+    return build_unsharded(cfg.model, cfg.seed, cache=Path(cfg.run_dir) / "model_cache")
+
+
+def _eval_loss(model: ModelSpec, tokens, cfg: TrainConfig) -> float:
     """Mean loss over the first ``EVAL_BATCHES`` batches of a deterministic pass over ``tokens``."""
-    loader = TokenLoader(tokens, cfg.size.seq_len, cfg.batch_size, rank=0, world_size=1)
-    model.eval()
+    loader = TokenLoader(tokens, cfg.seq_len or model.seq_len, cfg.batch_size, rank=0, world_size=1)
+    model.module.eval()
     with torch.no_grad():
-        losses = [float(model(*loader.next_batch())) for _ in range(EVAL_BATCHES)]
+        losses = [float(model.loss(*loader.next_batch())) for _ in range(EVAL_BATCHES)]
     return sum(losses) / len(losses)
 
 

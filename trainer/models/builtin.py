@@ -1,14 +1,37 @@
-"""A small decoder-only transformer (GPT-style); its named sizes are part of the config."""
+"""The built-in models: a small decoder-only transformer (GPT-style) over byte tokens, in five
+named sizes (``--model tiny`` ... ``1b``).
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.rank.config import ModelSize
+from trainer.models.spec import causal_lm_loss
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSize:
+    """Shape of one named model size."""
+
+    dim: int
+    layers: int
+    heads: int
+    seq_len: int
+    vocab_size: int = 256  # the byte-level tokenizer's vocabulary
+
+
+MODEL_SIZES: dict[str, ModelSize] = {
+    "tiny": ModelSize(dim=64, layers=2, heads=4, seq_len=64),  # ~0.1M params: tests
+    "small": ModelSize(dim=256, layers=4, heads=8, seq_len=128),  # ~3M: demo
+    "base": ModelSize(dim=768, layers=12, heads=12, seq_len=256),  # ~85M
+    "large": ModelSize(dim=1024, layers=24, heads=16, seq_len=512),  # ~300M
+    "1b": ModelSize(dim=2048, layers=18, heads=16, seq_len=1024),  # ~0.9B: GPUs
+}
 
 
 class Block(nn.Module):
@@ -60,11 +83,26 @@ class Transformer(nn.Module):
         x = self.embed(tokens) + self.pos(positions)
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.norm(x))
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        return causal_lm_loss(self.head(self.norm(x)), targets)
 
 
-def parameter_count(size: ModelSize) -> int:
+def size_parameters(size: ModelSize) -> int:
     """Number of parameters of a model of this size (without building it)."""
     per_block = 12 * size.dim * size.dim + 4 * size.dim
     return size.layers * per_block + (2 * size.vocab_size + size.seq_len) * size.dim + 2 * size.dim
+
+
+class BuiltinModel:
+    """A built-in size as a :class:`~trainer.models.spec.ModelSpec`: sharded per block."""
+
+    def __init__(self, size: ModelSize) -> None:
+        self.module = Transformer(size)
+        self.vocab_size, self.seq_len = size.vocab_size, size.seq_len
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """Each transformer block."""
+        return list(self.module.blocks)
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The model's own loss (its forward takes the targets)."""
+        return self.module(inputs, targets)

@@ -1,0 +1,79 @@
+"""Models: the built-in sizes, Hugging Face causal LMs and a team's own module, each behind the
+:class:`ModelSpec` Protocol (docs/models.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.errors import ParameterError
+from trainer.models.builtin import MODEL_SIZES, ModelSize
+from trainer.models.spec import ModelSpec, causal_lm_loss
+
+__all__ = [
+    "MODEL_SIZES", "ModelInfo", "ModelSize", "ModelSpec", "build_model", "causal_lm_loss", "check_model", "check_model_name",
+    "parameter_count",
+]  # fmt: skip
+
+
+def check_model_name(name: str) -> None:
+    """Refuse a ``--model`` that is none of the three forms (without loading anything)."""
+    if name in MODEL_SIZES or (name.startswith(("hf:", "py:")) and len(name) > 3):
+        return
+    raise ParameterError("model", f"unknown model {name!r} (known: {', '.join(MODEL_SIZES)}, hf:PATH, py:package.module:factory)")
+
+
+def build_model(name: str, *, cache: Path | None = None, meta: bool = False) -> ModelSpec:
+    """The model ``--model name`` gives, unsharded; seed torch first (its initialization draws).
+
+    Args:
+        name: a built-in size, ``hf:PATH`` or ``py:package.module:factory``.
+        cache: where an ``s3://`` model is downloaded (a run's ``model_cache``).
+        meta: for checks: an HF model's parameters on the meta device even without weights, and
+            of an ``s3://`` model only the config read (its weights are checked as ranks read them).
+    """
+    check_model_name(name)
+    if name in MODEL_SIZES:
+        from trainer.models.builtin import BuiltinModel
+
+        return BuiltinModel(MODEL_SIZES[name])
+    if name.startswith("hf:"):
+        from trainer.models.hf import HfModel
+
+        return HfModel(name.removeprefix("hf:"), cache=cache, meta=meta)
+    from trainer.models import custom
+
+    return custom.build(name.removeprefix("py:"))
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the launcher checks before any worker starts."""
+
+    vocab_size: int
+    seq_len: int
+    parameters: int
+
+
+def check_model(name: str, *, cache: Path | None = None) -> ModelInfo:
+    """Build ``name`` without memory for its parameters where it can, and check what can fail
+    later: the path, the config, the weights' names and shapes, a ``py:`` factory.
+
+    Raises:
+        ParameterError: naming ``model``.
+    """
+    spec = build_model(name, cache=cache, meta=True)
+    check = getattr(spec, "check_weights", None)
+    if check is not None and getattr(spec, "weights", None):
+        check()
+    return ModelInfo(spec.vocab_size, spec.seq_len, sum(p.numel() for p in spec.module.parameters()))
+
+
+def parameter_count(name: str) -> int:
+    """Parameters of the model ``name`` (a built-in size's from its shape, others' built on the meta device)."""
+    if name in MODEL_SIZES:
+        from trainer.models.builtin import size_parameters
+
+        return size_parameters(MODEL_SIZES[name])
+    return check_model(name).parameters
