@@ -137,6 +137,24 @@ def _validate(args: argparse.Namespace) -> int:
     return 0 if report.valid else 1
 
 
+def _export(args: argparse.Namespace) -> int:
+    from trainer.results.export import export_run
+
+    result = export_run(
+        _local_run_dir(args.run_dir),
+        args.out,
+        step=args.step,
+        data=Path(args.data) if args.data else None,
+        max_shard_size=args.max_shard_size,
+    )
+    tokenizer = ", with the data set's tokenizer" if result.tokenizer else ""
+    print(
+        f"exported step {result.step} of {args.run_dir} to {result.out}: {result.kind} model, {result.tensors} tensors, "
+        f"{result.bytes:,} bytes of {result.dtype} weights; {len(result.files)} files{tokenizer}"
+    )
+    return 0
+
+
 def _log_mlflow(args: argparse.Namespace) -> int:
     import json
 
@@ -293,6 +311,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replay-steps", type=int, default=3, help="steps to resume from the checkpoint and compare with the run's losses")
     p.add_argument("--markdown", help="also write the table of checks as Markdown to this file")
     p.set_defaults(func=_validate)
+
+    p = sub.add_parser(
+        "export",
+        help="write a run's checkpoint as a model directory (Hugging Face for hf: models; docs/models.md)",
+        epilog="example: rfsdp export --run-dir work/run --out work/model  (then AutoModelForCausalLM.from_pretrained('work/model'))",
+    )
+    p.add_argument("--run-dir", required=True, help="run directory with checkpoints/ (or an s3:// --checkpoint-uri)")
+    p.add_argument("--step", type=int, help="export this published checkpoint (default: the latest)")
+    p.add_argument("--out", required=True, help="a new or empty directory, or an empty s3://bucket/prefix")
+    p.add_argument("--data", help="prepared data directory whose tokenizer goes with the model (default: the one the run recorded)")
+    p.add_argument(
+        "--max-shard-size", default="2GB", metavar="SIZE", help="most bytes per safetensors file of an hf: model (default: %(default)s)"
+    )
+    p.set_defaults(func=_export)
 
     p = sub.add_parser("log-mlflow", help="log a run dir to MLflow (one run per run dir, idempotent); prints the run id")
     p.add_argument("--run-dir", required=True, help="run directory with events.jsonl (or an s3:// --checkpoint-uri)")
