@@ -1,10 +1,11 @@
 """A Kubernetes cluster with the training operator, emulated on this machine (root).
 
 The train step's kubernetes path (``trainer.launch.k8s``) runs against it unchanged, through a
-kubeconfig: the real ``kubeflow-training`` and ``kubernetes`` clients talk to an API server on
-loopback (``trainer.emulation.apiserver``), an operator emulator turns the stored PyTorchJob into
-Worker pods and a kubelet runs each pod's container as local processes
-(``trainer.emulation.operator``, ``trainer.emulation.container``)::
+kubeconfig: the real ``kubeflow-training`` and ``kubernetes`` clients (and ``kubectl``) talk to an
+API server on loopback, over https with a CA made for this cluster (``trainer.emulation.apiserver``,
+``trainer.emulation.tls``), an operator emulator turns the stored PyTorchJob into Worker pods and
+a kubelet runs each pod's container as local processes (``trainer.emulation.operator``,
+``trainer.emulation.kubelet``, ``trainer.emulation.container``)::
 
     with emulated_cluster(Path("work/cluster"), claims={"rfsdp-workspace": Path("work/pvc")}) as cluster:
         os.environ["KUBECONFIG"] = str(cluster.kubeconfig)   # the step's service account
@@ -17,6 +18,7 @@ docs/emulation.md says what is emulated and what is not.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import copy
 import os
@@ -30,8 +32,13 @@ from pathlib import Path
 
 import yaml
 
-from trainer.emulation.apiserver import ADMIN, ApiServer, Audited, CrdSchema, Handlers, Rbac, Store
+from trainer.emulation.admission import CrdSchema
+from trainer.emulation.api import ADMIN, Store
+from trainer.emulation.apiserver import ApiServer, Audited
+from trainer.emulation.handlers import Handlers
 from trainer.emulation.operator import Controllers
+from trainer.emulation.rbac import Rbac
+from trainer.emulation.tls import make_pki
 
 
 def cluster_problem() -> str | None:
@@ -52,7 +59,7 @@ class Cluster:
     """A running emulated cluster."""
 
     url: str
-    """The API server (``http://127.0.0.1:PORT``)."""
+    """The API server (``https://127.0.0.1:PORT``; its CA is in the kubeconfigs and ``ca``)."""
     namespace: str
     """The namespace ``deploy/rbac.yaml`` is applied in (the kubeconfig's namespace)."""
     kubeconfig: Path
@@ -65,6 +72,8 @@ class Cluster:
     """Every object of the cluster (hold ``store.lock`` while reading it)."""
     audit: list[Audited]
     """Every request the API server answered, in order."""
+    ca: Path
+    """The cluster's CA certificate (PEM), which signed the API server's."""
 
     def stored(self, resource: str, namespace: str, name: str) -> dict | None:
         """A copy of a stored object (None when there is none)."""
@@ -81,6 +90,7 @@ def emulated_cluster(
     claims: Mapping[str, Path] | None = None,
     secrets_data: Mapping[str, Mapping[str, str]] | None = None,
     restart_backoff_s: float = 10.0,
+    kubelet: bool = True,
 ) -> Iterator[Cluster]:
     """Start an emulated cluster; everything it started is stopped on exit (pods get SIGTERM,
     then SIGKILL after 10 s).
@@ -92,11 +102,13 @@ def emulated_cluster(
             stays Pending, as on a cluster).
         secrets_data: Secrets in ``namespace``: name -> key -> value.
         restart_backoff_s: the kubelet's first crash-loop back-off (10 s on a real node).
+        kubelet: False: no pod is ever started (they stay Pending, as on a cluster without
+            nodes): the API server and the operator alone, which need no root.
 
     Raises:
         RuntimeError: this machine cannot run it (:func:`cluster_problem` says why).
     """
-    if problem := cluster_problem():
+    if kubelet and (problem := cluster_problem()):
         raise RuntimeError(f"the emulated cluster {problem}")
     root.mkdir(parents=True, exist_ok=True)
     store = Store()
@@ -109,19 +121,22 @@ def emulated_cluster(
         {name: Path(path).resolve() for name, path in (claims or {}).items()},
         {(namespace, name): dict(data) for name, data in (secrets_data or {}).items()},
         restart_backoff_s,
+        kubelet=kubelet,
     )
-    server = ApiServer(
-        store, rbac, tokens, Handlers(store, CrdSchema(), delete_pod=controllers.delete_pod, log_source=controllers.log_source)
-    )
+    handlers = Handlers(store, CrdSchema(), delete_pod=controllers.delete_pod, log_source=controllers.log_source, rbac=rbac)
+    pki = make_pki(root / "pki")
+    server = ApiServer(store, rbac, tokens, handlers, pki.server_context())
     token_of = {who: token for token, who in tokens.items()}
+    ca = pki.ca.read_bytes()
     cluster = Cluster(
         url=server.url,
         namespace=namespace,
-        kubeconfig=_write_kubeconfig(root / "kubeconfig", server.url, namespace, user, token_of[user]),
-        admin_kubeconfig=_write_kubeconfig(root / "admin.kubeconfig", server.url, namespace, ADMIN, token_of[ADMIN]),
+        kubeconfig=_write_kubeconfig(root / "kubeconfig", server.url, ca, namespace, user, token_of[user]),
+        admin_kubeconfig=_write_kubeconfig(root / "admin.kubeconfig", server.url, ca, namespace, ADMIN, token_of[ADMIN]),
         service_account=user,
         store=store,
         audit=server.audit,
+        ca=pki.ca,
     )
     loop = threading.Thread(target=controllers.run, name="controllers", daemon=True)
     server.start()
@@ -134,11 +149,12 @@ def emulated_cluster(
         loop.join()
 
 
-def _write_kubeconfig(path: Path, url: str, namespace: str, user: str, token: str) -> Path:
+def _write_kubeconfig(path: Path, url: str, ca: bytes, namespace: str, user: str, token: str) -> Path:
+    cluster = {"server": url, "certificate-authority-data": base64.b64encode(ca).decode()}
     config = {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": "emulated", "cluster": {"server": url}}],
+        "clusters": [{"name": "emulated", "cluster": cluster}],
         "users": [{"name": user, "user": {"token": token}}],
         "contexts": [{"name": "emulated", "context": {"cluster": "emulated", "user": user, "namespace": namespace}}],
         "current-context": "emulated",

@@ -1,0 +1,385 @@
+"""The kubelet of the emulated cluster: it runs each pod's container as a local process.
+
+It runs a pod's container with ``trainer.emulation.container``: the container's ``command`` +
+``args`` (``$(VAR)`` expanded), the image's environment (this machine's venv stands for the
+image), ``envFrom`` and ``env`` (secrets from the cluster), the pod's volumes mounted at their
+``mountPath`` (a claim maps to a local directory, an ``emptyDir`` to a per-pod directory or tmpfs,
+a secret to files), the pod's name as hostname, the job's service names resolvable, every pod of
+one job in one network namespace of its own. It restarts a container per the pod's
+``restartPolicy`` (Always, OnFailure) after the kubelet's crash-loop back-off, records exit codes
+(a signal ``N`` is ``128+N``) and restart counts, and deletes a pod gracefully: SIGTERM to the
+container's process, SIGKILL to everything left after ``terminationGracePeriodSeconds``, then the
+pod is gone. It records the kubelet's Events (Pulled, Created, Started, BackOff, Killing,
+FailedMount) and the scheduler's (Scheduled, FailedScheduling).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from trainer.emulation.api import ApiError, Store, not_found, now_rfc3339
+from trainer.emulation.events import HOST, Recorder
+from trainer.process import die_with_parent
+
+_VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)|\$\$")
+_QUANTITY = re.compile(r"^([0-9.]+)([KMGTPE]i?)?$")
+_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+@dataclass
+class _Container:
+    """The current (or last) run of a pod's one container."""
+
+    proc: subprocess.Popen | None = None
+    log: Path | None = None
+    log_file: IO[bytes] | None = None
+    restart_at: float = 0.0
+    kill_at: float | None = None
+
+
+class Kubelet:
+    """The pods' side of the control loop (``trainer.emulation.operator.Controllers`` calls
+    ``sync_pod`` for each pod); ``enabled=False``: no container is ever started (pods stay
+    Pending, deletions complete at once).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        root: Path,
+        claims: dict[str, Path],
+        secrets: dict[tuple[str, str], dict[str, str]],
+        backoff_s: float,
+        events: Recorder,
+        *,
+        enabled: bool = True,
+    ) -> None:
+        self.store, self.root, self.claims, self.secrets, self.backoff_s = store, root, claims, secrets, backoff_s
+        self.events, self.enabled = events, enabled
+        self.containers: dict[str, _Container] = {}  # by pod uid
+        self.networks: dict[str, subprocess.Popen] = {}  # by job uid: the holder of its network namespace
+
+    def delete_pod(self, pod: dict, grace: int | None) -> None:
+        """Mark a pod for graceful deletion (the kubelet does the rest)."""
+        meta = pod["metadata"]
+        if "deletionTimestamp" not in meta:
+            meta["deletionTimestamp"] = now_rfc3339()
+            meta["deletionGracePeriodSeconds"] = grace if grace is not None else pod["spec"].get("terminationGracePeriodSeconds", 30)
+            self.store.touch(pod)
+
+    def log_source(self, namespace: str, name: str, container: str, *, previous: bool) -> tuple[Path, Callable[[], bool]]:
+        """The log file of a pod's container (the current run, or the previous one) and a test of
+        whether that run is still going.
+
+        Raises:
+            ApiError: 404 for an unknown pod, 400 for a wrong container or one not started yet.
+        """
+        with self.store.lock:
+            pod = self.store.get("pods", namespace, name)
+            if pod is None:
+                raise not_found("pods", name)
+            names = [c["name"] for c in pod["spec"]["containers"]]
+            if container and container not in names:
+                raise ApiError(400, "BadRequest", f"container {container} is not valid for pod {name}")
+            state = self.containers.get(pod["metadata"]["uid"])
+            if state is None or state.log is None:
+                raise ApiError(400, "BadRequest", f'container "{names[0]}" in pod "{name}" is waiting to start: ContainerCreating')
+            log, proc = state.log, state.proc
+            if previous:
+                count = int(log.stem.rsplit("-", 1)[1])
+                if count == 0:
+                    raise ApiError(400, "BadRequest", f'previous terminated container "{names[0]}" in pod "{name}" not found')
+                return log.with_name(f"{names[0]}-{count - 1}.log"), lambda: False
+        return log, lambda: state.proc is proc and proc is not None and proc.poll() is None
+
+    def shutdown(self) -> None:
+        """Stop every container (SIGTERM, SIGKILL after 10 s) and every job network."""
+        with self.store.lock:
+            for state in self.containers.values():
+                if state.proc is not None and state.proc.poll() is None:
+                    _kill_group(state.proc, signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            for state in self.containers.values():
+                if state.proc is not None:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        state.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+                    _kill_group(state.proc, signal.SIGKILL)
+                    state.proc.wait()
+                if state.log_file is not None:
+                    state.log_file.close()
+            for holder in self.networks.values():
+                holder.kill()
+                holder.wait()
+
+    @staticmethod
+    def in_network(pod: dict, job_uid: str) -> bool:
+        """Whether the pod is one of the job's (and so in its network)."""
+        return any(r["uid"] == job_uid for r in pod["metadata"].get("ownerReferences") or [])
+
+    def sync_pod(self, pod: dict) -> None:
+        """One step of the pod's life: start, watch, restart, or stop and remove its container."""
+        meta, status = pod["metadata"], pod["status"]
+        state = self.containers.setdefault(meta["uid"], _Container())
+        alive = state.proc is not None and state.proc.poll() is None
+        if not self.enabled and "deletionTimestamp" not in meta:
+            self._unschedulable(pod, "Unschedulable", "0/0 nodes are available: no nodes available to schedule pods.")
+            return
+        if "deletionTimestamp" in meta:
+            if alive and state.kill_at is None:
+                state.proc.send_signal(signal.SIGTERM)  # to the container's process, as a runtime signals PID 1
+                state.kill_at = time.monotonic() + meta["deletionGracePeriodSeconds"]
+                name = pod["spec"]["containers"][0]["name"]
+                self._event(pod, "Normal", "Killing", f"Stopping container {name}", container=name)
+            if alive and time.monotonic() < (state.kill_at or 0):
+                return
+            if state.proc is not None:
+                _kill_group(state.proc, signal.SIGKILL)  # whatever is left of the container
+                state.proc.wait()
+            if state.log_file is not None:
+                state.log_file.close()
+            self.containers.pop(meta["uid"], None)
+            self.store.remove("pods", meta["namespace"], meta["name"])
+            return
+        if status["phase"] in ("Succeeded", "Failed"):
+            return
+        if state.proc is None:
+            self._start(pod, state)
+            return
+        if alive:
+            return
+        code = state.proc.returncode
+        code = 128 - code if code < 0 else code  # a signal N reads 128+N, as the runtime reports it
+        _kill_group(state.proc, signal.SIGKILL)  # the container ends with its main process
+        cstatus = status["containerStatuses"][0]
+        if cstatus["state"].get("running"):
+            finished = {
+                "exitCode": code,
+                "reason": "Completed" if code == 0 else "Error",
+                "startedAt": cstatus["state"]["running"]["startedAt"],
+            }
+            cstatus["state"] = {"terminated": {**finished, "finishedAt": now_rfc3339()}}
+            cstatus["ready"] = False
+            policy = pod["spec"].get("restartPolicy", "Always")
+            if policy == "Always" or (policy == "OnFailure" and code != 0):
+                # The kubelet's crash-loop back-off: 10 s, doubling, at most 5 minutes.
+                state.restart_at = time.monotonic() + min(self.backoff_s * 2 ** cstatus["restartCount"], 300)
+                cstatus["lastState"], cstatus["state"] = cstatus["state"], {"waiting": {"reason": "CrashLoopBackOff"}}
+                name = cstatus["name"]
+                where = f"{meta['name']}_{meta['namespace']}({meta['uid']})"
+                self._event(pod, "Warning", "BackOff", f"Back-off restarting failed container {name} in pod {where}", container=name)
+            else:
+                status["phase"] = "Succeeded" if code == 0 else "Failed"
+            self.store.touch(pod)
+        elif time.monotonic() >= state.restart_at:
+            cstatus["restartCount"] += 1
+            self._start(pod, state)
+
+    def _start(self, pod: dict, state: _Container) -> None:
+        spec, status = pod["spec"], pod["status"]
+        container = spec["containers"][0]
+        restarts = (status.get("containerStatuses") or [{}])[0].get("restartCount", 0)
+        try:
+            launch = self._container_spec(pod, container)
+        except ApiError as e:  # a missing claim or secret: the pod waits, as it would on a node
+            self._unschedulable(pod, e.reason, e.message)
+            return
+        pod_dir = self.pod_dir(pod)
+        state.log = pod_dir / f"{container['name']}-{restarts}.log"
+        if state.log_file is not None:
+            state.log_file.close()
+        state.log_file = open(state.log, "ab")  # noqa: SIM115 (closed when the pod goes)
+        state.proc = subprocess.Popen(
+            [sys.executable, "-m", "trainer.emulation.container", json.dumps(launch)],
+            stdout=state.log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            preexec_fn=die_with_parent,  # the loop thread started it: the pod dies with the cluster
+        )  # fmt: skip
+        started = now_rfc3339()
+        status.update(phase="Running", startTime=status.get("startTime", started), hostIP="127.0.0.1", conditions=[])
+        cstatus = {"name": container["name"], "image": container.get("image", ""), "restartCount": restarts, "ready": True}
+        cstatus["imageID"] = cstatus["containerID"] = f"emulated://{container.get('image', '')}"
+        previous = (status.get("containerStatuses") or [{}])[0].get("lastState")
+        status["containerStatuses"] = [
+            {**cstatus, "state": {"running": {"startedAt": started}}, **({"lastState": previous} if previous else {})}
+        ]
+        self.store.touch(pod)
+        name, image = container["name"], container.get("image", "")
+        if not restarts:
+            spec["nodeName"] = HOST
+            self._event(
+                pod, "Normal", "Scheduled", f"Successfully assigned {pod['metadata']['namespace']}/{pod['metadata']['name']} to {HOST}"
+            )
+        self._event(pod, "Normal", "Pulled", f'Container image "{image}" already present on machine', container=name)
+        self._event(pod, "Normal", "Created", f"Created container: {name}", container=name)
+        self._event(pod, "Normal", "Started", f"Started container {name}", container=name)
+
+    def _unschedulable(self, pod: dict, reason: str, message: str) -> None:
+        """A pod that cannot start (no node; a claim, a secret missing): its condition and the
+        event, once.
+        """
+        condition = {"type": "PodScheduled", "status": "False", "reason": reason, "message": message}
+        status = pod["status"]
+        if status.get("conditions") == [condition]:
+            return
+        status["conditions"] = [condition]
+        self.store.touch(pod)
+        if reason == "Unschedulable":
+            text = message if message.startswith("0/") else f"0/1 nodes are available: {message}."
+            self._event(pod, "Warning", "FailedScheduling", text, component="default-scheduler")
+        else:
+            self._event(pod, "Warning", "FailedMount" if reason == "FailedMount" else "Failed", message)
+
+    def _event(self, pod: dict, kind: str, reason: str, message: str, *, container: str = "", component: str = "kubelet") -> None:
+        field_path = f"spec.containers{{{container}}}" if container else ""
+        self.events.record(
+            pod, kind, reason, message, component=component if reason != "Scheduled" else "default-scheduler", field_path=field_path
+        )
+
+    def pod_dir(self, pod: dict) -> Path:
+        """The pod's own folder (its logs, hosts file and emptyDir volumes)."""
+        path = self.root / "pods" / f"{pod['metadata']['namespace']}_{pod['metadata']['name']}_{pod['metadata']['uid'][:8]}"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def _network(self, pod: dict) -> str:
+        """The job's network namespace (created with its first pod): ``/proc/PID/ns/net`` of a
+        process that only holds it, loopback up; it goes when the holder is killed.
+        """
+        job_uid = pod["metadata"]["ownerReferences"][0]["uid"]
+        if job_uid not in self.networks:
+            holder = subprocess.Popen(["unshare", "--net", "sleep", "infinity"], start_new_session=True, preexec_fn=die_with_parent)
+            own = os.readlink("/proc/self/ns/net")
+            while os.readlink(f"/proc/{holder.pid}/ns/net") == own:  # until unshare has made it
+                time.sleep(0.01)
+            subprocess.run(["nsenter", f"--net=/proc/{holder.pid}/ns/net", "ip", "link", "set", "lo", "up"], check=True)
+            self.networks[job_uid] = holder
+        return f"/proc/{self.networks[job_uid].pid}/ns/net"
+
+    def _container_spec(self, pod: dict, container: dict) -> dict:
+        """What ``trainer.emulation.container`` needs: network, mounts, hosts, env, argv."""
+        meta, spec = pod["metadata"], pod["spec"]
+        ns = meta["namespace"]
+        pod_dir = self.pod_dir(pod)
+        volumes = {v["name"]: v for v in spec.get("volumes") or []}
+        mounts = []
+        for vm in container.get("volumeMounts") or []:
+            volume = volumes[vm["name"]]
+            mount = {"target": vm["mountPath"], "readOnly": vm.get("readOnly", False)}
+            if "persistentVolumeClaim" in volume:
+                claim = volume["persistentVolumeClaim"]["claimName"]
+                if claim not in self.claims:
+                    raise ApiError(400, "Unschedulable", f'persistentvolumeclaim "{claim}" not found')
+                mount.update(kind="bind", source=str(self.claims[claim] / vm.get("subPath", "")))
+            elif "emptyDir" in volume:
+                if volume["emptyDir"].get("medium") == "Memory":
+                    mount.update(kind="tmpfs", size=_bytes(volume["emptyDir"].get("sizeLimit")))
+                else:
+                    source = pod_dir / "volumes" / vm["name"]
+                    source.mkdir(parents=True, exist_ok=True)
+                    mount.update(kind="bind", source=str(source))
+            elif "secret" in volume:
+                name = volume["secret"]["secretName"]
+                data = self.secrets.get((ns, name))
+                if data is None and not volume["secret"].get("optional"):
+                    raise ApiError(400, "FailedMount", f'secret "{name}" not found')
+                source = pod_dir / "volumes" / vm["name"]
+                source.mkdir(parents=True, exist_ok=True)
+                for key, value in (data or {}).items():
+                    (source / key).write_text(value)
+                mount.update(kind="bind", source=str(source), readOnly=True)
+            else:
+                raise ApiError(
+                    400, "FailedMount", f"volume {vm['name']}: only persistentVolumeClaim, emptyDir and secret volumes are emulated"
+                )
+            mounts.append(mount)
+        env = {"PATH": f"{Path(sys.executable).parent}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(pod_dir)}
+        env["HOSTNAME"] = meta["name"]
+        for source in container.get("envFrom") or []:
+            ref = source.get("secretRef")
+            if ref is None:
+                raise ApiError(400, "CreateContainerConfigError", "only secretRef is emulated in envFrom")
+            data = self.secrets.get((ns, ref["name"]))
+            if data is None and not ref.get("optional"):
+                raise ApiError(400, "CreateContainerConfigError", f'secret "{ref["name"]}" not found')
+            env.update({source.get("prefix", "") + k: v for k, v in (data or {}).items()})
+        for var in container.get("env") or []:
+            env[var["name"]] = self._env_value(pod, var, env)
+        argv = [_expand(a, env) for a in (container.get("command") or []) + (container.get("args") or [])]
+        if not argv:
+            raise ApiError(400, "CreateContainerError", "the emulated image has no entrypoint: set the container's command")
+        hosts = pod_dir / "hosts"
+        peers = self._pods_of_owner(pod)
+        hosts.write_text(
+            "127.0.0.1\tlocalhost\n::1\tlocalhost\n" + "".join(f"{p['status']['podIP']}\t{p['metadata']['name']}\n" for p in peers)
+        )
+        return {
+            "netns": self._network(pod),
+            "hostname": meta["name"],
+            "hosts": str(hosts),
+            "mounts": mounts,
+            "env": env,
+            "argv": argv,
+            "cwd": container.get("workingDir") or str(pod_dir),
+        }
+
+    def _pods_of_owner(self, pod: dict) -> list[dict]:
+        uid = pod["metadata"]["ownerReferences"][0]["uid"]
+        return [p for p in self.store.items("pods", pod["metadata"]["namespace"]) if self.in_network(p, uid)]
+
+    def _env_value(self, pod: dict, var: dict, env: dict[str, str]) -> str:
+        if "valueFrom" not in var:
+            return _expand(var.get("value", ""), env)
+        source = var["valueFrom"]
+        if "fieldRef" in source:
+            fields = {
+                "metadata.name": pod["metadata"]["name"],
+                "metadata.namespace": pod["metadata"]["namespace"],
+                "status.podIP": pod["status"]["podIP"],
+            }
+            return fields[source["fieldRef"]["fieldPath"]]
+        ref = source.get("secretKeyRef")
+        if ref is None:
+            raise ApiError(400, "CreateContainerConfigError", f"env {var['name']}: only value, fieldRef and secretKeyRef are emulated")
+        data = self.secrets.get((pod["metadata"]["namespace"], ref["name"])) or {}
+        if ref["key"] not in data and not ref.get("optional"):
+            raise ApiError(400, "CreateContainerConfigError", f'secret "{ref["name"]}" has no key {ref["key"]}')
+        return data.get(ref["key"], "")
+
+
+def pod_address(spec: dict, rtype: str, index: int) -> str:
+    """A pod's address in its job's network: stable per replica, as its service name is."""
+    base = 10 + 10 * sorted(spec["pytorchReplicaSpecs"]).index(rtype)
+    return f"127.{base}.{index // 250}.{index % 250 + 1}"
+
+
+def exit_code(pod: dict) -> int:
+    """The exit code of the pod's terminated container (0 while none)."""
+    terminated = pod["status"]["containerStatuses"][0]["state"].get("terminated") or {}
+    return terminated.get("exitCode", 0)
+
+
+def _expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' ``$(VAR)`` expansion (``$$`` escapes; an unknown reference stays as written)."""
+    return _VAR_REF.sub(lambda m: "$" if m[0] == "$$" else env.get(m[1], m[0]), value)
+
+
+def _bytes(quantity: str | None) -> int | None:
+    if not quantity:
+        return None
+    m = _QUANTITY.match(quantity)
+    return int(float(m[1]) * _UNITS[m[2] or ""]) if m else None
+
+
+def _kill_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
