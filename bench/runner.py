@@ -11,11 +11,11 @@ from types import ModuleType
 
 from rich.console import Console
 
-from bench import checkpoint, goodput, overhead, recovery, soak
+from bench import checkpoint, goodput, load, overhead, recovery, soak
 from bench.common import DEFAULT_WORK, ensure_data, machine, write_json
 
 BENCHMARKS: dict[str, ModuleType] = {
-    "checkpoint": checkpoint, "recovery": recovery, "overhead": overhead, "goodput": goodput, "soak": soak,
+    "checkpoint": checkpoint, "recovery": recovery, "overhead": overhead, "goodput": goodput, "soak": soak, "load": load,
 }  # fmt: skip
 
 

@@ -17,6 +17,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import tempfile
@@ -133,11 +134,14 @@ def _parameters_on_meta() -> Iterator[None]:
         if param is not None and param.device.type != "meta":
             module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
-    nn.Module.register_parameter = on_meta
+    # A parameter is made (torch.empty) before it is moved: deterministic mode would fill every
+    # one with NaN first, touching the memory of the whole model.
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    nn.Module.register_parameter, torch.utils.deterministic.fill_uninitialized_memory = on_meta, False
     try:
         yield
     finally:
-        nn.Module.register_parameter = register
+        nn.Module.register_parameter, torch.utils.deterministic.fill_uninitialized_memory = register, fill
 
 
 class HfModel:
@@ -200,39 +204,67 @@ class HfModel:
             raise ParameterError("model", f"hf:{self.directory}: the weights do not fit its config: {shown}")
 
 
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+"""The safetensors dtype names this reader maps."""
+
+
+def _header(file: Path) -> tuple[dict, int]:
+    """A safetensors file's header (name -> dtype, shape, data_offsets) and where its data starts."""
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
+def mapped_tensors(file: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file as a view of the file mapped into memory: nothing is
+    read until a view's values are, and then only those pages (a private mapping: shared with the
+    page cache, never copied unless written).
+    """
+    header, start = _header(file)
+    with open(file, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    tensors = {}
+    for name, info in header.items():
+        dtype = _DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ParameterError("model", f"{file}: tensor {name} has dtype {info['dtype']}, which this trainer does not read")
+        begin, end = info["data_offsets"]
+        count = (end - begin) // dtype.itemsize
+        flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=start + begin) if count else torch.empty(0, dtype=dtype)
+        tensors[name] = flat.view(info["shape"])
+    return tensors
+
+
 def weight_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
     """Every tensor's shape, from the safetensors headers alone."""
-    from safetensors import safe_open
-
-    shapes = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            shapes.update({key: tuple(f.get_slice(key).get_shape()) for key in f.keys()})  # noqa: SIM118 (not a dict)
-    return shapes
+    return {name: tuple(info["shape"]) for file in files for name, info in _header(file)[0].items()}
 
 
 def read_weights(module: nn.Module, files: list[Path]) -> None:
-    """Copy each parameter's values from ``files`` (safetensors): a DTensor gets its local rows only."""
-    from safetensors import safe_open
+    """Copy each parameter's values from ``files`` (safetensors, mapped): a DTensor gets its
+    local rows only, read straight from the mapped file into the shard.
+    """
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     params = dict(module.named_parameters())
     for file in files:
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (not a dict)
-                if key not in params:
-                    continue
-                param = params.pop(key)
-                stored = f.get_slice(key)
-                if isinstance(param, DTensor):
-                    local = param.to_local()
-                    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-                    index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
-                    values = stored[index] if local.numel() else None
-                else:
-                    local, values = param.data, stored[:]
-                if values is not None:
-                    local.copy_(values.to(local.dtype))
+        for key, stored in mapped_tensors(file).items():
+            param = params.pop(key, None)
+            if param is None:
+                continue
+            if isinstance(param, DTensor):
+                local = param.to_local()
+                shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+                stored = stored[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+            else:
+                local = param.data
+            if local.numel():
+                local.copy_(stored)  # (converts the dtype: bf16 weights into fp32 parameters)
     if params:
         raise ParameterError("model", f"the weights lack {', '.join(sorted(params)[:3])}{' and more' if len(params) > 3 else ''}")
