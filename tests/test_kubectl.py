@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from trainer.emulation import handlers
-from trainer.emulation.api import ApiError, Store
+from trainer.emulation.api import RBAC_FILE, ApiError, Store
 from trainer.emulation.cluster import Cluster, cluster_problem, emulated_cluster
 from trainer.emulation.tls import make_pki
 
@@ -180,6 +180,27 @@ def test_apply_validates_strictly_on_the_server(cluster: Cluster) -> None:
     done = apply(cluster, wrong, check=False)
     assert done.returncode == 1 and "is invalid" in done.stderr and "spec.pytorchReplicaSpecs.Worker.replicas" in done.stderr
     assert kubectl(cluster, "get", "pytorchjob", "typo", check=False).returncode == 1
+    odd = job("odd")
+    odd["spec"]["pytorchReplicaSpecs"]["Chief"] = odd["spec"]["pytorchReplicaSpecs"].pop("Worker")
+    done = apply(cluster, odd, check=False)
+    assert done.returncode == 1 and 'admission webhook "validator.pytorchjob.training-operator.kubeflow.org" denied' in done.stderr
+
+
+def test_apply_deploy_rbac(cluster: Cluster) -> None:
+    applied = kubectl(cluster, "apply", "-f", str(RBAC_FILE)).stdout.split("\n")
+    assert applied[:3] == [
+        "serviceaccount/rfsdp-pipeline created",
+        "role.rbac.authorization.k8s.io/rfsdp-pytorchjobs created",
+        "rolebinding.rbac.authorization.k8s.io/rfsdp-pipeline-pytorchjobs created",
+    ]
+    again = kubectl(cluster, "apply", "-f", str(RBAC_FILE)).stdout.split()
+    assert again == ["serviceaccount/rfsdp-pipeline", "unchanged"] + again[2:] and again.count("unchanged") == 3
+    role = yaml.safe_load(kubectl(cluster, "get", "role", "rfsdp-pytorchjobs", "-o", "yaml").stdout)
+    assert role["rules"] == next(d for d in yaml.safe_load_all(RBAC_FILE.read_text()) if d["kind"] == "Role")["rules"]
+    changed = yaml.safe_load(kubectl(cluster, "get", "sa", "rfsdp-pipeline", "-o", "yaml").stdout)
+    changed["metadata"]["labels"]["extra"] = "yes"
+    assert apply(cluster, changed).stdout.strip() == "serviceaccount/rfsdp-pipeline configured"
+    assert kubectl(cluster, "get", "sa", "rfsdp-pipeline", "-o", "jsonpath={.metadata.labels.extra}").stdout == "yes"
 
 
 def test_auth_can_i_is_answered_from_deploy_rbac(cluster: Cluster) -> None:

@@ -130,6 +130,8 @@ def webhook_violations(job: dict) -> list[str]:
     if not replicas:
         out.append("spec.pytorchReplicaSpecs: Required value: must be required")
     for rtype, replica in replicas.items():
+        if rtype not in ("Master", "Worker"):
+            out.append(f'spec.pytorchReplicaSpecs: Unsupported value: "{rtype}": supported values: "Master", "Worker"')
         containers = replica.get("template", {}).get("spec", {}).get("containers") or []
         if not any(c.get("name") == "pytorch" for c in containers):
             out.append(f"spec.pytorchReplicaSpecs[{rtype}].template.spec.containers: Required value: There is no container named pytorch")

@@ -20,6 +20,13 @@ REPO = Path(__file__).resolve().parents[2]
 CRD_FILE = REPO / "deploy" / "crds" / "kubeflow.org_pytorchjobs.v1.9.4.yaml"
 RBAC_FILE = REPO / "deploy" / "rbac.yaml"
 GROUP, VERSION, KIND, PLURAL = "kubeflow.org", "v1", "PyTorchJob", "pytorchjobs"
+PLAIN = {
+    "serviceaccounts": ("v1", "ServiceAccount"),
+    "roles": ("rbac.authorization.k8s.io/v1", "Role"),
+    "rolebindings": ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+}
+"""Resources only stored, by plural: (apiVersion, kind) (``kubectl apply -f deploy/rbac.yaml``;
+RBAC decisions stay the file's)."""
 ADMIN = "system:admin"
 """The user of the admin kubeconfig (tests, kubectl): a member of system:masters, never checked."""
 META_FIELDS = {"name", "generateName", "namespace", "labels", "annotations", "finalizers", "ownerReferences"}

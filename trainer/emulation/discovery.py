@@ -28,6 +28,8 @@ SERVER_VERSION = {
 }
 AGGREGATED = "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList"
 AUTHZ = "authorization.k8s.io"
+RBAC = "rbac.authorization.k8s.io"
+PLAIN_VERBS = ("create", "delete", "get", "list", "patch", "watch")
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,9 @@ def resources(crd: CrdSchema) -> list[Resource]:
         Resource("", "events", "Event", ("create", "get", "list", "watch"), short=("ev",)),
         Resource(GROUP, PLURAL, KIND, ("create", "delete", "get", "list", "patch", "watch"), short=tuple(names.get("shortNames") or ()),
                  categories=tuple(names.get("categories") or ()), subresources={"status": ("get",)}, version=VERSION),
+        Resource("", "serviceaccounts", "ServiceAccount", PLAIN_VERBS, short=("sa",)),
+        Resource(RBAC, "roles", "Role", PLAIN_VERBS),
+        Resource(RBAC, "rolebindings", "RoleBinding", PLAIN_VERBS),
         Resource(AUTHZ, "selfsubjectaccessreviews", "SelfSubjectAccessReview", ("create",), namespaced=False),
         Resource(AUTHZ, "subjectaccessreviews", "SubjectAccessReview", ("create",), namespaced=False),
     ]  # fmt: skip

@@ -18,6 +18,7 @@ from trainer.emulation.api import (
     GROUP,
     KIND,
     META_FIELDS,
+    PLAIN,
     PLURAL,
     SERVER_META,
     VERSION,
@@ -33,7 +34,7 @@ from trainer.emulation.rbac import Rbac, Request
 from trainer.emulation.tables import table, wants_table
 
 _DNS_1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_KINDS = {"pods": ("v1", "Pod"), "events": ("v1", "Event"), PLURAL: (f"{GROUP}/{VERSION}", KIND)}
+_KINDS = {"pods": ("v1", "Pod"), "events": ("v1", "Event"), PLURAL: (f"{GROUP}/{VERSION}", KIND), **PLAIN}
 _PATCH_TYPES = ("application/merge-patch+json", "application/json-patch+json", "application/apply-patch+yaml")
 Result = tuple[int, object, dict[str, str]]
 
@@ -96,6 +97,8 @@ class Handlers:
                 return self._create_job(req.namespace, body or {}, query.get("fieldValidation", "Warn"), query.get("dryRun") == "All")
             if resource == "events":
                 return self._create_event(req.namespace, body or {})
+            if resource in PLAIN:
+                return self._create_plain(resource, req.namespace, body or {}, query.get("dryRun") == "All")
             if resource in ("selfsubjectaccessreviews", "subjectaccessreviews") and self.rbac is not None:
                 user = req.user if resource.startswith("self") else ((body or {}).get("spec") or {}).get("user", "")
                 return 201, self.rbac.review(user, body or {}), {}
@@ -109,6 +112,8 @@ class Handlers:
             return 200, self.render(resource, items, query, accept), {}
         if req.verb == "patch" and resource == PLURAL and not sub:
             return self._patch_job(req, body, query, content_type)
+        if req.verb == "patch" and resource in PLAIN and not sub:
+            return self._patch_plain(resource, req, body, query, content_type)
         if req.verb == "delete" and not sub:
             return self._delete(resource, req.namespace, req.name, body or {}, query)
         raise ApiError(405, "MethodNotAllowed", f"{req.verb} on {req.resource} is not emulated")
@@ -206,6 +211,55 @@ class Handlers:
         self.store.touch(current)
         return 200, current, _warning_header(warnings)
 
+    def _create_plain(self, resource: str, namespace: str, body: dict, dry_run: bool) -> Result:
+        """A ServiceAccount, Role or RoleBinding: stored as sent (no schema), for ``kubectl apply``."""
+        api_version, kind = PLAIN[resource]
+        if (body.get("apiVersion"), body.get("kind")) != (api_version, kind):
+            raise ApiError(
+                400,
+                "BadRequest",
+                f"the API version in the data ({body.get('apiVersion')}) does not match the expected API version ({api_version})",
+            )
+        obj = copy.deepcopy(body)
+        meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
+        name = meta.get("name", "")
+        if meta.get("namespace", namespace) != namespace:
+            raise ApiError(400, "BadRequest", "the namespace of the provided object does not match the namespace sent on the request")
+        if not name or len(name) > 253 or not _DNS_1123_SUBDOMAIN.match(name):
+            raise ApiError(
+                422,
+                "Invalid",
+                f'{kind} "{name}" is invalid: metadata.name: Invalid value: "{name}": a lowercase RFC 1123 subdomain is required',
+            )
+        if self.store.get(resource, namespace, name) is not None:
+            raise ApiError(409, "AlreadyExists", f'{resource} "{name}" already exists', {"name": name, "kind": resource})
+        obj["metadata"] = new_metadata(meta, namespace)
+        return 201, obj if dry_run else self.store.put(resource, obj), {}
+
+    def _patch_plain(self, resource: str, req: Request, body: Any, query: dict[str, str], content_type: str) -> Result:
+        """A merge patch, or a strategic merge patch taken as one (its ``$`` directives dropped:
+        these kinds' lists are replaced whole either way), of a stored object.
+        """
+        media = content_type.split(";")[0].strip()
+        if media not in ("application/merge-patch+json", "application/strategic-merge-patch+json"):
+            raise ApiError(415, "UnsupportedMediaType", f"{media} patches are not emulated; send a merge or strategic merge patch")
+        current = self.store.get(resource, req.namespace, req.name)
+        if current is None:
+            raise not_found(resource, req.name)
+        if not isinstance(body, dict):
+            raise ApiError(400, "BadRequest", "the patch must be a JSON object")
+        patched = merge_patch(current, _without_directives(body))
+        meta = patched.get("metadata") if isinstance(patched.get("metadata"), dict) else {}
+        kept = {k: v for k, v in meta.items() if k in META_FIELDS - {"name", "namespace"}}
+        patched["metadata"] = {**{k: v for k, v in current["metadata"].items() if k not in META_FIELDS - {"name", "namespace"}}, **kept}
+        patched["apiVersion"], patched["kind"] = PLAIN[resource]
+        if query.get("dryRun") == "All":
+            return 200, patched, {}
+        current.clear()
+        current.update(patched)
+        self.store.touch(current)
+        return 200, current, {}
+
     def _create_event(self, namespace: str, body: dict) -> Result:
         if body.get("kind") != "Event" or not isinstance(body.get("involvedObject"), dict):
             raise ApiError(422, "Invalid", 'Event "" is invalid: involvedObject: Required value')
@@ -251,6 +305,14 @@ class Handlers:
                 pod["metadata"]["ownerReferences"] = [r for r in refs if r.get("uid") != meta["uid"]]
         self.store.remove(resource, namespace, name)
         return 200, _success(name, resource, meta["uid"]), {}
+
+
+def _without_directives(patch: Any) -> Any:
+    if isinstance(patch, dict):
+        return {k: _without_directives(v) for k, v in patch.items() if not k.startswith("$")}
+    if isinstance(patch, list):
+        return [_without_directives(v) for v in patch]
+    return patch
 
 
 def _success(name: str, resource: str, uid: str) -> dict:

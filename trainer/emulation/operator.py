@@ -22,6 +22,7 @@ import calendar
 import copy
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -136,6 +137,7 @@ class Controllers:
         self.events = Recorder(store)
         self.kubelet = Kubelet(store, root, claims, secrets, backoff_s, self.events, enabled=kubelet)
         self.recreated: dict[str, int] = {}  # by job uid: pods the operator recreated (ExitCode)
+        self.failed: set[tuple[str, str]] = set()  # the steps that raised, by object: printed once
         self.stop = threading.Event()
 
     # ------------------------------------------------------------ the API server's hooks
@@ -155,12 +157,24 @@ class Controllers:
         while not self.stop.is_set():
             with self.store.lock:
                 for job in self.store.items(PLURAL):
-                    self._reconcile_job(job)
-                self._collect_garbage()
+                    self._guarded(self._reconcile_job, job)
+                self._guarded(self._collect_garbage)
                 for pod in self.store.items("pods"):
-                    self.kubelet.sync_pod(pod)
+                    self._guarded(self.kubelet.sync_pod, pod)
             time.sleep(0.1)
         self.kubelet.shutdown()
+
+    def _guarded(self, step: Callable[..., None], *args: dict) -> None:
+        """One reconcile step; a bug of the emulator on one object (printed, once per object and
+        step) leaves the loop, and every other object, running.
+        """
+        try:
+            step(*args)
+        except Exception:
+            key = (step.__name__, args[0]["metadata"].get("uid") if args else "")
+            if key not in self.failed:
+                self.failed.add(key)
+                traceback.print_exc()
 
     # ------------------------------------------------------------ the operator
     def _reconcile_job(self, job: dict) -> None:
