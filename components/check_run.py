@@ -16,6 +16,9 @@ def check_run(
     inprocess_restart: bool,
     fault: str,
     model: str,
+    seq_len: int,
+    grad_accum_steps: int,
+    activation_checkpointing: bool,
     seed: int,
     hang_timeout: float,
     grace_period: float,
@@ -28,10 +31,14 @@ def check_run(
     cpu: str,
     memory: str,
     source: str,
+    tokenizer: str,
+    text_field: str,
     pvc_name: str,
     checkpoint_uri: str,
     tracking_uri: str,
     experiment: str,
+    export_uri: str,
+    registered_model: str,
     pipeline_job: str,
     pipeline_job_id: str,
 ) -> str:
@@ -54,6 +61,8 @@ def check_run(
     name = resolve_run_name(training_run, pipeline_job, pipeline_job_id)  # a bad name: nowhere to record
     with recorded(name, pipeline_job_id, CHECK_STEP):
         env = os.environ
-        check_parameters(params, name, tracking_uri_env=env.get("MLFLOW_TRACKING_URI", ""), steps_run_here=WORKSPACE_ENV in env)
+        here = WORKSPACE_ENV in env
+        # Here, in the image and with the cluster's credentials, a model is checked wherever it is.
+        check_parameters(params, name, tracking_uri_env=env.get("MLFLOW_TRACKING_URI", ""), steps_run_here=here, model_check="all")
     print(f"training run {name}: parameters checked")
     return name

@@ -22,14 +22,18 @@ from trainer.launch import workspace
 
 FAILURE_FILE = "failure.json"
 VALIDATION_FILE = "validation.json"
+EXPORT_FILE = "export.json"
 CHECK_STEP, PREPARE_STEP, TRAIN_STEP, VALIDATE_STEP = "check parameters", "prepare data", "train", "validate checkpoint"
+EXPORT_STEP = "export model"
 BEFORE_TRAINING = (CHECK_STEP, PREPARE_STEP)
 """Steps whose failure leaves a run dir of the same name (an earlier run's) as it was."""
 PREVIEW_RUN = "rfsdp-preview"
 """Stands in for the run-unique name outside a KFP run (checks, ``rfsdp pipeline manifest``)."""
 
 
-def check_parameters(params: Mapping[str, Any], name: str, *, tracking_uri_env: str, steps_run_here: bool) -> None:
+def check_parameters(
+    params: Mapping[str, Any], name: str, *, tracking_uri_env: str, steps_run_here: bool, model_check: str = "local"
+) -> None:
     """Refuse a run that cannot work, before anything starts.
 
     Args:
@@ -39,6 +43,11 @@ def check_parameters(params: Mapping[str, Any], name: str, *, tracking_uri_env: 
             submitter cannot see the cluster's secret).
         steps_run_here: the steps run on this machine (``kfp.local``), so a local MLflow store
             outlives them; in a cluster it would be a file in a pod.
+        model_check: how far ``model`` is checked without the data (path, config, weights'
+            shapes, factory): ``all`` (the check step, where the steps run: an ``s3://`` model's
+            config is fetched, a ``py:`` factory imported), ``local`` (only an ``hf:`` model at a
+            local path: ``rfsdp pipeline manifest`` and ``run-local``) or ``none`` (a submitter,
+            whose paths are not the cluster's). Its vocabulary against the data's is the train step's.
 
     Raises:
         ParameterError: naming the pipeline parameter.
@@ -59,6 +68,15 @@ def check_parameters(params: Mapping[str, Any], name: str, *, tracking_uri_env: 
         raise refuse("experiment", "must not be empty")
     if params["checkpoint_uri"] and not params["checkpoint_uri"].startswith("s3://"):
         raise refuse("checkpoint_uri", f"{params['checkpoint_uri']!r} is not s3://bucket/prefix (the pipeline mirrors to object storage)")
+    if not params["text_field"].strip():
+        raise refuse("text_field", "must not be empty")
+    export_uri, registered = params["export_uri"], params["registered_model"]
+    if export_uri and not (export_uri.startswith("s3://") or export_uri.startswith("/")):
+        raise refuse("export_uri", f"{export_uri!r} is not s3://bucket/prefix nor an absolute path (e.g. {WORKSPACE_MOUNT}/models/NAME)")
+    if registered and not export_uri:
+        raise refuse("registered_model", f"{registered!r} needs a model to register: set export_uri")
+    if registered and (registered != registered.strip() or any(c in registered for c in "'\"\n\\/")):
+        raise refuse("registered_model", f"{registered!r} is not a model name (no quotes, slashes or surrounding spaces)")
     with as_pipeline_parameters():
         check_run_name(name)
         data, run_dir = shared_paths(name)
@@ -81,6 +99,25 @@ def check_parameters(params: Mapping[str, Any], name: str, *, tracking_uri_env: 
                 shown = redact_uri(uri)
                 raise refuse("tracking_uri", f"{shown!r} is a file in the logging step's pod, lost with it: use a tracking server")
         build_pytorchjob(cfg, spec, cluster_options({**params, "training_run": name}))  # image, resources: checked on every backend
+        if _model_checked_here(params["model"], model_check):
+            from trainer.models import check_model
+
+            check_model(params["model"])
+
+
+def _model_checked_here(model: str, model_check: str) -> bool:
+    """Whether ``check_parameters`` checks ``model`` (see its ``model_check``)."""
+    from trainer.models import MODEL_SIZES
+
+    if model in MODEL_SIZES or model_check == "none":
+        return False  # (a built-in size is checked by the config)
+    if model_check == "all":
+        return True
+    path = model.removeprefix("hf:")
+    if not model.startswith("hf:") or path.startswith("s3://"):
+        return False  # a factory in the image, a model in a bucket: the check step's
+    local = Path(path.removeprefix("file://")).expanduser()
+    return local.exists() or path.startswith((".", "/", "~", "file://")) or path.count("/") != 1  # not a hub id
 
 
 # ------------------------------------------------------------------ the run's record
@@ -149,6 +186,42 @@ def recorded(name: str, kfp_run: str, step: str) -> Iterator[None]:
 def record_validation(name: str, kfp_run: str, report: dict, markdown: str) -> None:
     """Keep the validation verdict (as JSON and as its Markdown table) for the exit handler."""
     _write(name, VALIDATION_FILE, {"kfp_run": kfp_run, "report": report, "markdown": markdown})
+
+
+def record_export(name: str, kfp_run: str, export: dict, registered_model: str) -> None:
+    """Keep what the export step wrote (``ExportResult.to_dict()``) for the exit handler, which
+    logs it to MLflow as the run's model and registers it under ``registered_model`` ("" not).
+    """
+    _write(name, EXPORT_FILE, {"kfp_run": kfp_run, "export": export, "registered_model": registered_model})
+
+
+def read_export(name: str, kfp_run: str) -> dict | None:
+    """The export ``kfp_run`` recorded (None: it exported nothing)."""
+    path = run_root(name) / EXPORT_FILE
+    record = json.loads(path.read_text()) if path.is_file() else None
+    return record if record and record["kfp_run"] == kfp_run else None
+
+
+def log_exported_model(record: dict, run_id: str, tracking_uri: str) -> str:
+    """Log the recorded export to MLflow run ``run_id`` as its model (an ``s3://`` one fetched
+    first) and register it where the record says; returns a line that says what was done.
+    """
+    import tempfile
+
+    from trainer.results.tracking import log_model, redact_uri
+    from trainer.storage.store import is_remote, open_storage
+
+    export, registered = record["export"], record["registered_model"]
+    with tempfile.TemporaryDirectory(prefix="rfsdp-model-") as tmp:
+        local = Path(export["out"])
+        if is_remote(export["out"]):
+            store, local = open_storage(export["out"]), Path(tmp) / "model"
+            for key in export["files"]:
+                store.download(key, local / key)
+        shown = redact_uri(export["out"])
+        version = log_model(run_id, local, tracking_uri=tracking_uri, step=export["step"], exported_to=shown, registered_model=registered)
+    where = f"; registered as {registered} version {version}" if version else ""
+    return f"model of step {export['step']} exported to {export['out']}, logged to MLflow under model/{where}"
 
 
 def read_record(name: str, kfp_run: str) -> tuple[dict | None, dict | None]:
@@ -317,6 +390,9 @@ def log_pipeline_run(
     if started:
         report = validation["report"] if validation else None
         run_id = log_run(run_dir, tracking_uri=uri, experiment=experiment, tags=tags, validation=report, failure=failed, run_name=run_name)
+        exported = read_export(name, pipeline_job_id)
+        if exported is not None:
+            print(log_exported_model(exported, run_id, uri))
     else:
         run_id = log_failed_attempt(pipeline_job_id, failed, tracking_uri=uri, experiment=experiment, tags=tags, run_name=run_name)
     url = run_url(uri, run_id)

@@ -19,6 +19,9 @@ def train(
     inprocess_restart: bool,
     fault: str,
     model: str,
+    seq_len: int,
+    grad_accum_steps: int,
+    activation_checkpointing: bool,
     seed: int,
     hang_timeout: float,
     grace_period: float,
@@ -60,7 +63,10 @@ def train(
         max_restarts: in-job restarts ft_launcher may do.
         inprocess_restart: recover soft faults in-process.
         fault: fault schedule ``KIND@STEP[:RANK],...``.
-        model: model size.
+        model: a built-in size, ``hf:PATH`` or ``py:package.module:factory``.
+        seq_len: tokens per sequence (0: the model's default).
+        grad_accum_steps: micro-batches per optimizer step.
+        activation_checkpointing: recompute each FSDP unit's activations in backward.
         seed: seed.
         hang_timeout: seconds without a heartbeat before a rank counts as hung.
         grace_period: seconds a preempted worker has to checkpoint and exit (the pods' grace period is this + 15).
@@ -89,7 +95,7 @@ def train(
 
     from components.runs import TRAIN_STEP, check_training_completed, live_tracking, recorded, run_descriptor, run_root
     from trainer.errors import ParameterError, as_pipeline_parameters
-    from trainer.launch.local import BACKENDS, check_run_dir, hold_run_dir, job_from_parameters, launch_local
+    from trainer.launch.local import BACKENDS, check_model_fits, check_run_dir, hold_run_dir, job_from_parameters, launch_local
 
     def cancelled(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # KFP cancels a step with SIGTERM: stop the processes / delete the job
@@ -119,6 +125,12 @@ def train(
             # (the same path in a pod; a local folder where the volume is emulated).
             shared_data, shared_run = shared_paths(training_run)
             job_cfg, spec = job_from_parameters(params, data=shared_data, run_dir=shared_run)
+            # The local launcher checks the model against the data before any worker starts; a
+            # PyTorchJob's workers would find a bad one only once scheduled: check it here, first
+            # (it also settles seq_len 0 to the model's default, the same on every worker).
+            from trainer.data.shards import load_manifest
+
+            check_model_fits(job_cfg, load_manifest(Path(data.path)))
             job = build_pytorchjob(job_cfg, spec, cluster_options(params))
             cfg = dataclasses.replace(job_cfg, data=str(run_root(training_run) / "data"), run_dir=str(run_root(training_run) / "run"))
             # A second run under this name is refused while this one lives. Inside that lock, and

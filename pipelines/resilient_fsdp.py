@@ -31,6 +31,7 @@ from kfp.dsl import Markdown, Metrics
 
 from components import IMAGE
 from components.check_run import check_run
+from components.export_model import export_model
 from components.log_to_mlflow import log_to_mlflow
 from components.prepare_data import prepare_data
 from components.runs import PREVIEW_RUN
@@ -99,6 +100,9 @@ def resilient_fsdp_training(
     inprocess_restart: bool = TRAIN["inprocess_restart"],
     fault: str = TRAIN["fault"],
     model: str = TRAIN["model"],
+    seq_len: int = TRAIN["seq_len"],
+    grad_accum_steps: int = TRAIN["grad_accum_steps"],
+    activation_checkpointing: bool = TRAIN["activation_checkpointing"],
     seed: int = TRAIN["seed"],
     hang_timeout: float = TRAIN["hang_timeout"],
     grace_period: float = TRAIN["grace_period"],
@@ -111,10 +115,14 @@ def resilient_fsdp_training(
     cpu: str = "4",
     memory: str = "16Gi",
     source: str = BUILTIN_CORPUS,
+    tokenizer: str = "",
+    text_field: str = "text",
     pvc_name: str = "rfsdp-workspace",
     checkpoint_uri: str = TRAIN["checkpoint_uri"],
     tracking_uri: str = "",
     experiment: str = DEFAULT_EXPERIMENT,
+    export_uri: str = "",
+    registered_model: str = "",
 ) -> Outputs:
     """Train a transformer with FSDP that survives faults, validate its checkpoint, log every run to MLflow.
 
@@ -132,7 +140,16 @@ def resilient_fsdp_training(
         max_restarts: In-job restarts ft_launcher may do before the job fails.
         inprocess_restart: Recover soft faults (exceptions, stuck Python) inside the running processes.
         fault: Fault schedule KIND@STEP[:RANK],..., at most one per step ("" none). KIND: {FAULT_KINDS}.
-        model: Model size: tiny, small, base, large or 1b.
+        model: The model: a built-in size (tiny, small, base, large, 1b), hf:PATH (a Hugging Face causal LM: a directory
+            on the shared volume, an s3:// prefix or a hub id, with config.json and optionally safetensors weights to
+            continue from) or py:package.module:factory (a module of your own in the image). The check step checks it
+            before anything starts; rfsdp pipeline manifest checks only an hf: model at a local path (an s3:// one
+            needs the bucket), and the train step checks its vocabulary against the data's before any worker starts.
+        seq_len: Tokens per sequence (0 = the model's default: a built-in size's own, an hf: model's
+            max_position_embeddings up to 1024).
+        grad_accum_steps: Micro-batches per optimizer step: gradients are accumulated and synchronized once.
+        activation_checkpointing: Recompute each FSDP unit's activations in backward instead of keeping them (less
+            memory, about a third more compute).
         seed: Seed of initialization and data order.
         hang_timeout: Seconds without a heartbeat before a rank counts as hung (the other timeouts derive from it).
         grace_period: Seconds a preempted or evicted worker has to checkpoint its step and exit (the PyTorchJob's
@@ -147,12 +164,22 @@ def resilient_fsdp_training(
         gpus: Request one NVIDIA GPU per worker process (kubernetes).
         cpu: CPU request and limit per worker pod (kubernetes), e.g. 4 or 500m.
         memory: Memory request and limit per worker pod (kubernetes), e.g. 16Gi.
-        source: Training corpus: a file or directory path, or builtin:python-docs.
+        source: Training corpus: a text, .jsonl or .parquet file, a directory or s3:// prefix of them, or
+            builtin:python-docs.
+        tokenizer: Hugging Face tokenizer (a directory or tokenizer.json, local or s3://) the corpus is tokenized with
+            ("" = byte-level UTF-8). The model's vocabulary must cover it; it is exported with the model.
+        text_field: The JSON lines field or Parquet column holding a record's text.
         pvc_name: ReadWriteMany PersistentVolumeClaim mounted at /mnt/rfsdp in every step and worker: data, run dirs and their records.
         checkpoint_uri: Remote location (s3://bucket/prefix) durable checkpoints are mirrored to ("" none).
         tracking_uri: MLflow tracking server, e.g. http://mlflow.NS:5000 ("" = the MLFLOW_TRACKING_URI key of the
             rfsdp-mlflow secret; a kubernetes run with neither is refused).
         experiment: MLflow experiment name.
+        export_uri: Where the validated checkpoint is exported as a model directory once validation passes: an empty
+            s3://bucket/prefix or an absolute path, e.g. on the shared volume (Hugging Face safetensors + config +
+            tokenizer for an hf: model; docs/models.md). It is logged to MLflow as the run's model (under model/).
+            "" = no export.
+        registered_model: Register the exported model in the MLflow model registry under this name (a new version
+            per export; needs export_uri; "" = not registered).
     """
     kfp_run = {"pipeline_job": dsl.PIPELINE_JOB_NAME_PLACEHOLDER, "pipeline_job_id": dsl.PIPELINE_JOB_ID_PLACEHOLDER}
     logged = log_to_mlflow(
@@ -164,19 +191,24 @@ def resilient_fsdp_training(
             nnodes=nnodes,
             nproc_per_node=nproc_per_node,
             max_restarts=max_restarts, inprocess_restart=inprocess_restart, fault=fault, model=model, seed=seed,
+            seq_len=seq_len, grad_accum_steps=grad_accum_steps, activation_checkpointing=activation_checkpointing,
             hang_timeout=hang_timeout, grace_period=grace_period, system_metrics_every=system_metrics_every, backend=backend,
             training_run=training_run, image=image, job_namespace=job_namespace, gpus=gpus, cpu=cpu, memory=memory,
-            source=source, pvc_name=pvc_name, checkpoint_uri=checkpoint_uri, tracking_uri=tracking_uri, experiment=experiment, **kfp_run,
+            source=source, tokenizer=tokenizer, text_field=text_field, pvc_name=pvc_name, checkpoint_uri=checkpoint_uri,
+            tracking_uri=tracking_uri, experiment=experiment, export_uri=export_uri, registered_model=registered_model, **kfp_run,
         ).set_display_name("check parameters")  # fmt: skip
         name = checked.output
         job_id = kfp_run["pipeline_job_id"]
-        data = prepare_data(source=source, training_run=name, pipeline_job_id=job_id).set_display_name("prepare data")
+        data = prepare_data(
+            source=source, tokenizer=tokenizer, text_field=text_field, training_run=name, pipeline_job_id=job_id
+        ).set_display_name("prepare data")
         trained = train(
             data=data.outputs["data"], steps=steps, ckpt_every=ckpt_every, ckpt_mode=ckpt_mode, local_ckpt_every=local_ckpt_every,
             local_replicas=local_replicas,
             nnodes=nnodes,
             nproc_per_node=nproc_per_node, max_restarts=max_restarts, inprocess_restart=inprocess_restart, fault=fault,
-            model=model, seed=seed, hang_timeout=hang_timeout, grace_period=grace_period,
+            model=model, seq_len=seq_len, grad_accum_steps=grad_accum_steps, activation_checkpointing=activation_checkpointing,
+            seed=seed, hang_timeout=hang_timeout, grace_period=grace_period,
             system_metrics_every=system_metrics_every, checkpoint_uri=checkpoint_uri, backend=backend, training_run=name,
             image=image, job_namespace=job_namespace, pvc_name=pvc_name, gpus=gpus, cpu=cpu, memory=memory,
             tracking_uri=tracking_uri, experiment=experiment, **kfp_run,
@@ -187,7 +219,13 @@ def resilient_fsdp_training(
         # It loads the whole state in one process and starts the run's world size (+1) of CPU ranks
         # to reshard and replay it: a worker pod's resources, not a default step's.
         checked_ckpt.set_cpu_request(cpu).set_memory_request(memory)
-    tasks = (checked, data, trained, checked_ckpt, logged)
+        # Only a checkpoint the validation passed is exported (it reads the whole model in one process).
+        exported = export_model(
+            run=trained.outputs["run"], data=data.outputs["data"], training_run=name, pipeline_job_id=job_id, export_uri=export_uri,
+            registered_model=registered_model,
+        ).set_display_name("export model").after(checked_ckpt)  # fmt: skip
+        exported.set_cpu_request(cpu).set_memory_request(memory)
+    tasks = (checked, data, trained, checked_ckpt, exported, logged)
     # The run resumes under its name and the record is rewritten each time: nothing may come from a cache.
     for task in tasks:
         task.set_caching_options(False)
@@ -313,7 +351,9 @@ def parameters_text() -> str:
     return "\n".join(out) + "\n"
 
 
-def check_parameters(overrides: Mapping[str, Any], *, tracking_uri_env: str = "", steps_run_here: bool = False) -> dict[str, Any]:
+def check_parameters(
+    overrides: Mapping[str, Any], *, tracking_uri_env: str = "", steps_run_here: bool = False, model_check: str = "local"
+) -> dict[str, Any]:
     """All parameters (defaults + ``overrides``) after the checks the first step makes before
     anything starts: training config, launch spec, fault schedule, run name, image, resources,
     checkpoint and tracking URIs.
@@ -323,6 +363,9 @@ def check_parameters(overrides: Mapping[str, Any], *, tracking_uri_env: str = ""
         tracking_uri_env: the ``MLFLOW_TRACKING_URI`` the steps will see ("" for a cluster,
             whose secret cannot be seen from here).
         steps_run_here: the steps run on this machine (``run_local``), not in a cluster's pods.
+        model_check: how far ``model`` is checked here (``components.runs.check_parameters``):
+            ``all`` (the steps run here), ``local`` an ``hf:`` model at a local path, ``none`` not at
+            all (a submitter's paths are the cluster's).
 
     Raises:
         ParameterError: naming the bad parameter.
@@ -332,7 +375,8 @@ def check_parameters(overrides: Mapping[str, Any], *, tracking_uri_env: str = ""
     if unknown:
         raise ValueError(f"unknown parameter(s) {', '.join(unknown)} (known: {', '.join(defaults)})")
     params = {**defaults, **overrides}
-    check_run_parameters(params, params["training_run"] or PREVIEW_RUN, tracking_uri_env=tracking_uri_env, steps_run_here=steps_run_here)
+    name = params["training_run"] or PREVIEW_RUN
+    check_run_parameters(params, name, tracking_uri_env=tracking_uri_env, steps_run_here=steps_run_here, model_check=model_check)
     return params
 
 
@@ -449,7 +493,8 @@ def run_local(overrides: Mapping[str, Any], root: Path, *, quiet: bool = False) 
     from trainer.results.tracking import resolve_tracking_uri
 
     overrides = {**LOCAL_OVERRIDES, "tracking_uri": resolve_tracking_uri(None), **overrides}
-    params = check_parameters(overrides, tracking_uri_env=os.environ.get("MLFLOW_TRACKING_URI", ""), steps_run_here=True)
+    env_uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    params = check_parameters(overrides, tracking_uri_env=env_uri, steps_run_here=True, model_check="all")  # (the steps' paths are ours)
     if params["backend"] == "kubernetes":
         from trainer.emulation.cluster import cluster_problem
 
@@ -509,7 +554,7 @@ def submit(
     from kfp_server_api.exceptions import ApiException
     from urllib3.exceptions import HTTPError
 
-    params = check_parameters(overrides)
+    params = check_parameters(overrides, model_check="none")  # (a model's path is the cluster's, not this machine's)
     _check_kfp_api(host, existing_token)
     try:
         client = kfp.Client(host=host, namespace=namespace or "kubeflow", existing_token=existing_token)

@@ -21,6 +21,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 import pytest
+import torch
 import yaml
 from google.protobuf import json_format
 from kfp import dsl
@@ -43,13 +44,14 @@ from trainer.results.tracking import FAILED_STEP_TAG, FAILURE_REASON_TAG
 
 ROOT = Path(__file__).resolve().parent.parent
 MLFLOW = "http://mlflow.team-a:5000"
-BODY = ["check-run", "prepare-data", "train", "validate-checkpoint"]
+BODY = ["check-run", "prepare-data", "train", "validate-checkpoint", "export-model"]
 EXIT = "log-to-mlflow"
 EXPECTED_PARAMETERS = {
     "steps", "ckpt_every", "ckpt_mode", "local_ckpt_every", "local_replicas", "nnodes", "nproc_per_node", "max_restarts",
     "inprocess_restart", "fault",
     "model", "seed", "hang_timeout", "grace_period", "system_metrics_every", "backend", "training_run", "image", "job_namespace", "gpus",
     "cpu", "memory", "source", "pvc_name", "checkpoint_uri", "tracking_uri", "experiment",
+    "tokenizer", "text_field", "seq_len", "grad_accum_steps", "activation_checkpointing", "export_uri", "registered_model",
 }  # fmt: skip
 HEADLINE = {
     "goodput (%)", "restarts in-process", "restarts in-job", "recovery p50 (s)", "recovery max (s)", "lost steps",
@@ -89,7 +91,7 @@ def test_compiled_ir_parses_strictly(compiled: list[dict]) -> None:
     for name, param in inputs.items():
         assert param.description.strip(), f"parameter {name} has no description"
         assert param.HasField("default_value"), f"parameter {name} has no default"
-    assert not [n for n in inputs if re.search("password|secret|token|access_key", n)], "credentials are never parameters"
+    assert not [n for n in inputs if re.search("password|secret|token(?!izer)|access_key", n)], "credentials are never parameters"
     assert not {"run_name", "namespace"} & set(inputs), "names beside KFP's own 'Run name' and profile namespace confuse"
     # A person starting a run from the UI gets a PyTorchJob and a training run of its own.
     assert inputs["backend"].default_value.string_value == "kubernetes"
@@ -117,7 +119,7 @@ def test_the_steps_run_inside_an_exit_handler_that_logs_every_run(compiled: list
         assert task_inputs["training_run"].component_input_parameter.endswith("training_run")
         assert task_inputs["pipeline_job"].runtime_value.constant.string_value == dsl.PIPELINE_JOB_NAME_PLACEHOLDER
         assert task_inputs["pipeline_job_id"].runtime_value.constant.string_value == dsl.PIPELINE_JOB_ID_PLACEHOLDER
-    for step in ("prepare-data", "train", "validate-checkpoint"):  # the name the check step derived
+    for step in ("prepare-data", "train", "validate-checkpoint", "export-model"):  # the name the check step derived
         named = body[step].inputs.parameters["training_run"].task_output_parameter
         assert (named.producer_task, named.output_parameter_key) == ("check-run", "Output")
 
@@ -189,6 +191,13 @@ def test_the_default_training_run_is_unique_per_kfp_run_and_an_explicit_one_is_k
         ("tracking_uri=http://", "tracking_uri: 'http://' names no host"),
         ("steps=abc", "--set steps: 'abc' is not a valid int"),
         ("stepz=10", "--set: unknown parameter 'stepz'"),
+        ("model=hf:/no/such/model", "model: hf:/no/such/model: no model directory there"),
+        ("model=py:no_such_package.module:build", "model: py:no_such_package.module:build: cannot import no_such_package.module"),
+        ("text_field= ", "text_field: must not be empty"),
+        ("export_uri=models/llama", "export_uri: 'models/llama' is not s3://bucket/prefix nor an absolute path"),
+        ("registered_model=llama", "registered_model: 'llama' needs a model to register: set export_uri"),
+        ("grad_accum_steps=0", "grad_accum_steps: must be positive"),
+        ("seq_len=-1", "seq_len: must be at least 0"),
     ],
 )
 def test_bad_parameters_fail_before_anything_starts(tmp_path: Path, capsys: pytest.CaptureFixture, setting: str, named: str) -> None:
@@ -197,6 +206,27 @@ def test_bad_parameters_fail_before_anything_starts(tmp_path: Path, capsys: pyte
     err = capsys.readouterr().err
     assert named in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not root.exists(), "nothing may be started or written"
+
+
+def test_a_manifest_for_an_hf_model_in_a_bucket_is_a_2x8_gpu_job(capsys: pytest.CaptureFixture) -> None:
+    """The model in a bucket is not fetched to show the job (the check step checks it, where the
+    cluster's credentials are); its description says so."""
+    from pipelines.resilient_fsdp import parameters
+
+    settings = ["model=hf:s3://bucket/m", "gpus=true", "nnodes=2", "nproc_per_node=8"]
+    settings += ["grad_accum_steps=4", "activation_checkpointing=true"]
+    assert main(["pipeline", "manifest", *sum((["--set", s] for s in settings), [])]) == 0
+    job = yaml.safe_load(capsys.readouterr().out)
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert worker["replicas"] == 2 and job["spec"]["nprocPerNode"] == "8"
+    (container,) = worker["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    command = container["command"]
+    assert command[command.index("--model") + 1] == "hf:s3://bucket/m" and command[command.index("--world-size") + 1] == "16"
+    assert command[command.index("--grad-accum-steps") + 1] == "4" and "--activation-checkpointing" in command
+    described = {p.name: p.description for p in parameters()}
+    assert "hf:PATH" in described["model"] and "py:package.module:factory" in described["model"] and "s3://" in described["model"]
+    assert "export_uri" in described["registered_model"] and "MLflow" in described["export_uri"]
 
 
 def test_a_kubernetes_run_local_without_root_is_refused_before_anything_starts(tmp_path: Path) -> None:
@@ -796,3 +826,38 @@ print("after")
     assert "sigkill" not in proc.stdout and "executor_input" not in proc.stdout + proc.stderr
     logged = log.read_text()
     assert "executor_input of a step" in logged and "a warning" in logged and "Executing task" in logged
+
+
+@pytest.mark.slow
+def test_a_pipeline_run_of_an_hf_model_exports_logs_and_registers_it(mlflow_server: MlflowServer, tmp_path: Path) -> None:
+    """model=hf:DIR with export_uri and registered_model: after validation passes, the validated
+    checkpoint is exported as a Hugging Face model directory, logged as the MLflow run's model
+    (under model/) and registered as version 1."""
+    import mlflow
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_models import save_model
+    from trainer.checkpoint import read_full_state
+
+    model = save_model(tmp_path / "llama", "llama", weights=True)
+    out, root = tmp_path / "exported", tmp_path / "root"
+    settings = ["steps=12", "ckpt_every=4", "seq_len=32", "nproc_per_node=1", f"model=hf:{model}", f"tracking_uri={mlflow_server.uri}"]
+    settings += ["experiment=export", f"export_uri={out}", "registered_model=tiny-llama"]
+    proc = _run_local(root, *settings)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "export-model: success in" in proc.stdout
+    run_id = re.search(r"MLflow run id:\s*([0-9a-f]{32})", proc.stdout)[1]
+    (run_dir,) = (root / "workspace").glob("rfsdp-*/run")
+
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    checkpoint = read_full_state(run_dir / "checkpoints" / "step_000012")["model"]  # the validated one
+    reloaded = loaded.state_dict()
+    assert all(torch.equal(reloaded[name], tensor) for name, tensor in checkpoint.items())
+
+    client = mlflow.MlflowClient(tracking_uri=mlflow_server.uri)
+    assert client.get_run(run_id).data.tags["rfsdp.valid"] == "true"
+    logged = {f.path for f in client.list_artifacts(run_id, "model")}
+    assert {"model/config.json", "model/model.safetensors.index.json", "model/model-00001-of-00001.safetensors"} <= logged
+    (version,) = client.search_model_versions("name = 'tiny-llama'")
+    assert version.version == "1" and version.run_id == run_id and version.source == f"runs:/{run_id}/model"
+    assert version.tags["rfsdp.step"] == "12"

@@ -657,6 +657,68 @@ def _experiment_id(client: MlflowClient, uri: str, name: str) -> str:
         return existing.experiment_id
 
 
+MODEL_ARTIFACTS = "model"
+"""Where a run's exported model goes among its MLflow artifacts."""
+MODEL_STEP_TAG = "rfsdp.step"
+"""Tag of a registered model version: the checkpoint step it was exported from."""
+MODEL_URI_TAG = "rfsdp.model_uri"
+"""Tag of a run (and a model version): where its model was exported (``rfsdp export --out``)."""
+
+
+def log_model(
+    run_id: str,
+    model_dir: Path,
+    *,
+    tracking_uri: str | None = None,
+    step: int,
+    exported_to: str,
+    registered_model: str = "",
+) -> str:
+    """Log an exported model directory (``rfsdp export``) as the run's model, its files under
+    ``model/``, and with ``registered_model`` register it in the model registry (idempotent: a
+    version of this run and step is found again, not made twice).
+
+    Args:
+        run_id: the MLflow run (as :func:`log_run` returned it).
+        model_dir: the exported model, local.
+        tracking_uri: MLflow tracking URI (default: see the module docstring).
+        step: the checkpoint's step (a tag of the version).
+        exported_to: where the export was written (a tag; credentials redacted).
+        registered_model: the registered model's name ("" = not registered).
+
+    Returns:
+        The registered model version ("" when not registered).
+
+    Raises:
+        TrackingError: the tracking store failed.
+    """
+    from mlflow.entities import RunTag
+    from mlflow.exceptions import MlflowException
+    from requests.exceptions import RequestException
+
+    uri = resolve_tracking_uri(tracking_uri)
+    try:
+        client = _client(uri)
+        client.log_artifacts(run_id, str(model_dir), MODEL_ARTIFACTS)
+        client.log_batch(run_id, tags=[RunTag(MODEL_URI_TAG, exported_to)])
+        if not registered_model:
+            return ""
+        try:
+            client.create_registered_model(registered_model)
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        found = client.search_model_versions(f"name = '{registered_model}' and run_id = '{run_id}'")
+        for version in found:
+            if version.tags.get(MODEL_STEP_TAG) == str(step):
+                return str(version.version)
+        tags = {MODEL_STEP_TAG: str(step), MODEL_URI_TAG: exported_to}
+        source = f"runs:/{run_id}/{MODEL_ARTIFACTS}"
+        return str(client.create_model_version(registered_model, source=source, run_id=run_id, tags=tags).version)
+    except (MlflowException, RequestException, OSError) as e:
+        raise TrackingError(redact(f"logging the model of run {run_id} to MLflow at {uri} failed: {e}", uri)) from None
+
+
 class LiveLogger:
     """Logs a run to MLflow while it trains, from a background thread of the launching process:
     every ``interval_s``, the step, checkpoint and restart points of the events written since
