@@ -23,9 +23,10 @@ COPY components components
 COPY pipelines pipelines
 COPY bench bench
 # Installs kfp (the components run with install_kfp_package=False), kubeflow-training, NVRx
-# (ft_launcher on PATH), mlflow and boto3; the import check fails the build, not the first run.
+# (ft_launcher on PATH), mlflow, boto3, and transformers, tokenizers, safetensors and pyarrow
+# (your model and corpus); the import check fails the build, not the first run.
 RUN pip install . \
- && python -c "import kfp, kubeflow.training, nvidia_resiliency_ext, mlflow, boto3, trainer.rank.train, trainer.launch.k8s, pipelines.resilient_fsdp" \
+ && python -c "import kfp, kubeflow.training, nvidia_resiliency_ext, mlflow, boto3, transformers, tokenizers, safetensors, pyarrow, trainer.rank.train, trainer.models.hf, trainer.launch.k8s, pipelines.resilient_fsdp" \
  && command -v ft_launcher rfsdp
 
 USER 1000:1000

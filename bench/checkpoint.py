@@ -53,7 +53,7 @@ from trainer.data.shards import TokenLoader, load_split
 from trainer.events import Checkpoint, EventLog, read_events, select
 from trainer.models.builtin import BuiltinModel, ModelSize, size_parameters
 from trainer.rank.resilience import AsyncCheckpointWriter, RankMonitor
-from trainer.rank.runtime import detect_runtime, init_process_group, seed_everything, shard_model
+from trainer.rank.runtime import build_fsdp_model, detect_runtime, init_process_group, seed_everything, shard_model
 from trainer.rank.train import TrainState, train_step
 
 METHODS = ("nvrx_async", "torch_save", "dcp_save", "dcp_async_save")
@@ -195,8 +195,11 @@ def worker(args: argparse.Namespace) -> None:
     harness = dist.new_group(backend="gloo", timeout=timeout)
 
     async_writer = AsyncCheckpointWriter(cuda=False)  # before the state exists, as in the trainer: its worker is forked now
-    seed_everything(0)
-    spec = shard_model(BuiltinModel(size), rt)
+    if args.model:  # a model of the user's (hf:PATH, py:...), at the benchmark's batch and sequence length
+        spec = build_fsdp_model(args.model, rt, seed=0)
+    else:
+        seed_everything(0)
+        spec = shard_model(BuiltinModel(size), rt)
     optimizer = torch.optim.AdamW(spec.module.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     loader = TokenLoader(load_split(Path(args.data), "train"), size.seq_len, params["batch"], rt.rank, rt.world_size)
     state = TrainState(spec, optimizer, loader, RankMonitor(), ckpt_group)
@@ -256,7 +259,8 @@ def worker(args: argparse.Namespace) -> None:
         state_bytes = sum(
             t.numel() * t.element_size() * rt.world_size for t in _flat_tensors(_local(get_state_dict(spec.module, optimizer)))
         )  # every rank holds an equal shard
-        Path(args.out).write_text(json.dumps({"ranks": gathered, "state_bytes": state_bytes}))
+        parameters = sum(p.numel() for p in spec.module.parameters())  # (the global shapes: DTensors)
+        Path(args.out).write_text(json.dumps({"ranks": gathered, "state_bytes": state_bytes, "parameters": parameters}))
     dist.destroy_process_group()
 
 
@@ -284,7 +288,7 @@ def median_phases(saves: list[dict[str, float]]) -> dict[str, float]:
     return {k: median([s[k] for s in saves if k in s]) for k in names}
 
 
-def summarize(raw: dict, params: dict, phases: dict[str, list[dict[str, float]]] | None = None) -> dict:
+def summarize(raw: dict, params: dict, phases: dict[str, list[dict[str, float]]] | None = None, *, model: str = "") -> dict:
     """Per method: medians over the measured rounds (slowest rank per save), warm-up apart;
     ``phases``: the saves' phases of the ``PHASED`` methods (see :func:`save_phases`).
     """
@@ -332,8 +336,8 @@ def summarize(raw: dict, params: dict, phases: dict[str, list[dict[str, float]]]
     return {
         "benchmark": "checkpoint",
         "params": {
-            "model": {"dim": params["size"].dim, "layers": params["size"].layers, "seq_len": params["size"].seq_len},
-            "parameters": size_parameters(params["size"]),
+            "model": model or {"dim": params["size"].dim, "layers": params["size"].layers, "seq_len": params["size"].seq_len},
+            "parameters": raw.get("parameters") or size_parameters(params["size"]),
             "state_bytes": raw["state_bytes"],
             "batch_size": params["batch"],
             "ranks": len(raw["ranks"]),
@@ -350,16 +354,18 @@ def summarize(raw: dict, params: dict, phases: dict[str, list[dict[str, float]]]
     }
 
 
-def run(quick: bool, work: Path, data: Path) -> dict:
-    """Run the benchmark on 2 ranks under torchrun and summarize it."""
+def run(quick: bool, work: Path, data: Path, model: str = "") -> dict:
+    """Run the benchmark on 2 ranks under torchrun and summarize it (``model``: a ``--model``
+    to save instead of the built-in size of ``FULL`` or ``QUICK``)."""
     work = fresh_dir(work / "checkpoint")
     out = work / "raw.json"
     args = ["--data", str(data), "--work", str(work), "--out", str(out), *(["--quick"] if quick else [])]
+    args += ["--model", model] if model else []
     code, _ = run_torchrun("bench.checkpoint", args, work / "torchrun.log", timeout=3600)
     if code or not out.exists():
         raise RuntimeError(f"checkpoint benchmark failed (exit {code}); see {work / 'torchrun.log'}")
     phases = {name: save_phases(work / name) for name in PHASED}
-    result = summarize(json.loads(out.read_text()), QUICK if quick else FULL, phases)
+    result = summarize(json.loads(out.read_text()), QUICK if quick else FULL, phases, model=model)
     shutil.rmtree(work / "nvrx_async", ignore_errors=True)
     return result
 
@@ -398,6 +404,7 @@ def main() -> None:
     parser.add_argument("--work", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--model", default="")
     worker(parser.parse_args())
 
 

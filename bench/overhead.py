@@ -54,6 +54,7 @@ from bench.common import (
 )
 from trainer.data.shards import TokenLoader, load_split
 from trainer.events import Step, read_events, select
+from trainer.models import MODEL_SIZES
 from trainer.rank.config import TrainConfig
 from trainer.rank.resilience import RankMonitor
 from trainer.rank.runtime import build_fsdp_model, detect_runtime, init_process_group
@@ -74,6 +75,16 @@ QUICK = {"models": {"tiny": 12}, "primary": "tiny", "reps": 1}
 SKIP = 2  # warm-up steps left out of the throughput
 
 
+def user_model_shape(model: str) -> dict:
+    """A user's model (not a built-in size) trains at batch 1 of 64 tokens here: CPU steps of a
+    100M-parameter model at its own length would take minutes."""
+    return {} if model in MODEL_SIZES else {"batch_size": 1, "seq_len": 64}
+
+
+def _slug(model: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in model)[-40:]
+
+
 def steps_per_s(times: list[float]) -> float:
     """Steps per second between the completion times of consecutive steps (after the warm-up)."""
     times = times[SKIP:]
@@ -82,7 +93,7 @@ def steps_per_s(times: list[float]) -> float:
 
 def plain_worker(args: argparse.Namespace) -> None:
     """One rank of the plain loop: the trainer's step function, nothing else."""
-    cfg = TrainConfig(data=args.data, run_dir=args.out, model=args.model, steps=args.steps)
+    cfg = TrainConfig(data=args.data, run_dir=args.out, model=args.model, steps=args.steps, **user_model_shape(args.model))
     rt = detect_runtime()
     init_process_group(rt, None, timeout_s=600)
     spec = build_fsdp_model(cfg.model, rt, cfg.seed)
@@ -128,7 +139,7 @@ def run_method(method: str, model: str, steps: int, run_dir: Path, data: Path) -
         cfg = TrainConfig(
             data=str(data), run_dir=str(run_dir), model=model, steps=steps, ckpt_every=ckpt_every,
             ckpt_mode="sync" if kind == "sync_ckpt" else "async", inprocess_restart=kind in ("resilient", "local_tier", "wrapper"),
-            local_ckpt_every=int(kind == "local_tier"),
+            local_ckpt_every=int(kind == "local_tier"), **user_model_shape(model),
         )  # fmt: skip
         full_stack = kind in ("resilient", "local_tier", "wrapper", "ft_launcher")
         run = run_rfsdp if full_stack else lambda c: run_torchrun_trainer(c, max_restarts=0)
@@ -136,37 +147,45 @@ def run_method(method: str, model: str, steps: int, run_dir: Path, data: Path) -
         return [e.time for e in select(read_events(run_dir), Step)] if not code else []
 
 
-def run(quick: bool, work: Path, data: Path) -> dict:
+HF_STEPS = {"full": 20, "quick": 6}
+"""Steps of a ``--model`` of the user's (its steps are long on CPU: batch 1, 64 tokens)."""
+
+
+def run(quick: bool, work: Path, data: Path, model: str = "") -> dict:
     """Every method at every model size in interleaved repetitions (the loaded ones at the
     primary size); median steps/s, ratios to the plain loop and to each method's base.
+    ``model``: a ``--model`` of the user's instead of the built-in sizes, without the loaded runs.
     """
     params = QUICK if quick else FULL
+    if model:
+        params = {"models": {model: HF_STEPS["quick" if quick else "full"]}, "primary": model, "reps": 1}
     work = fresh_dir(work / "overhead")
     quiet = [m for m in METHODS if m not in LOADED]
-    plan = [(model, quiet) for model in params["models"]] + [(params["primary"], list(LOADED))]
+    plan = [(size, quiet) for size in params["models"]] + ([] if model else [(params["primary"], list(LOADED))])
     rates: dict[tuple[str, str], list[float]] = {}
-    for model, methods in plan:
-        steps = params["models"][model]
+    for size, methods in plan:
+        steps = params["models"][size]
         for rep, method in interleaved(methods, params["reps"]):
-            times = run_method(method, model, steps, work / f"{model}_{method}_{rep}", data)
+            times = run_method(method, size, steps, work / f"{_slug(size)}_{method}_{rep}", data)
             if len(times) != steps:
-                raise RuntimeError(f"overhead benchmark: the {method} run ({model}) failed; see {work}")
-            rates.setdefault((method, model), []).append(steps_per_s(times))
+                raise RuntimeError(f"overhead benchmark: the {method} run ({size}) failed; see {work}")
+            rates.setdefault((method, size), []).append(steps_per_s(times))
     methods: dict[str, dict] = {}
     for method in METHODS:
         base = BASE[method]
         plain = "plain_loaded" if method in LOADED else "plain"
         models = {}
-        for model in params["models"]:
-            if (method, model) in rates:
-                sps = median(rates[(method, model)])
-                models[model] = {
+        for size in params["models"]:
+            if (method, size) in rates:
+                sps = median(rates[(method, size)])
+                models[size] = {
                     "steps_per_s": sps,
-                    "ratio": ratio(sps, median(rates[(plain, model)])),
-                    "vs_base": ratio(sps, median(rates[(base, model)])) if base else None,
-                    "samples": rates[(method, model)],
+                    "ratio": ratio(sps, median(rates[(plain, size)])),
+                    "vs_base": ratio(sps, median(rates[(base, size)])) if base else None,
+                    "samples": rates[(method, size)],
                 }
-        methods[method] = {**models[params["primary"]], "base": base, "models": models}
+        if params["primary"] in models:  # (a user's model runs without the loaded methods)
+            methods[method] = {**models[params["primary"]], "base": base, "models": models}
     ours, wrapper, local = methods["resilient"]["ratio"], methods["wrapper"]["ratio"], methods["local_tier"]["vs_base"]
     return {
         "benchmark": "overhead",

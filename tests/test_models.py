@@ -13,7 +13,7 @@ import torch
 
 from tests.conftest import losses, rfsdp, train
 from trainer.data.shards import load_split
-from trainer.events import RunStart, read_events, select
+from trainer.events import Restart, RunStart, read_events, select
 
 pytestmark = pytest.mark.slow  # real multi-process jobs
 
@@ -73,9 +73,12 @@ def test_a_model_of_your_own_resumes_bit_for_bit_after_faults(
     }[kind]
     baseline, faulted = tmp_path / "baseline", tmp_path / "faulted"
     train(data_dir, baseline, "--model", model, *RUN)
-    train(data_dir, faulted, "--model", model, *RUN, "--fault", "exception@6:1,sigkill@10:0")
+    tier = ("--local-ckpt-every", "1") if kind == "llama-weights" else ()  # one of them with the local tier too
+    train(data_dir, faulted, "--model", model, *RUN, *tier, "--fault", "exception@6:1,sigkill@10:0")
     assert sorted(losses(baseline)) == list(range(1, 13))
     assert losses(faulted) == losses(baseline)  # every step's final loss, bit for bit
+    sources = [e.source for e in select(read_events(faulted), Restart)]
+    assert len(sources) == 2 and (not tier or "local" in sources), sources
     starts = select(read_events(faulted), RunStart)
     assert len(starts) == 1 and starts[0].config["seq_len"] == 32
     if kind == "llama-weights":  # training continued from the saved weights, not from a fresh initialization

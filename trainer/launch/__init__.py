@@ -15,6 +15,7 @@ CREDENTIAL_SECRETS: dict[str, tuple[str, ...]] = {
     "rfsdp-s3": ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"),
     "rfsdp-mlflow": ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"),
     "rfsdp-checkpoint-key": ("RFSDP_CHECKPOINT_KEY",),  # trainer.checkpoint.SIGNING_KEY_ENV (that module loads torch)
+    "rfsdp-hf": ("HF_TOKEN",),  # a hub model (--model hf:org/name) that needs a token
 }
 """Secrets (name -> keys, each key becomes the env variable of that name) given to the pipeline's
 pods and to every worker, all optional: credentials never travel as pipeline parameters. The
