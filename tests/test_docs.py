@@ -57,3 +57,18 @@ def test_the_guides_compile_and_manifest_commands_run(argv: list[str], tmp_path:
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout if argv[2] == "manifest" else (tmp_path / argv[argv.index("--out") + 1]).read_text()
     assert all(yaml.safe_load_all(out))  # the compiled IR: the pipeline spec, then the platform spec (the volume)
+
+
+def test_the_readme_commands_for_your_own_model_parse_with_the_real_cli() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Your model, your data, your weights", 1)[1].split("\n## ", 1)[0]
+    lines = [line.split("  #")[0].strip() for block in re.findall(r"```bash\n(.*?)```", section, re.S) for line in block.splitlines()]
+    argvs = [shlex.split(line)[1:] for line in lines if line.startswith("rfsdp ")]
+    assert [argv[0] for argv in argvs] == ["prepare-data", "train", "export"]
+    for argv in argvs:
+        build_parser().parse_args(argv)  # argparse exits (a failure here) on an unknown flag
+    models = (ROOT / "docs" / "models.md").read_text()
+    for block in re.findall(r"```bash\n(.*?)```", models, re.S):
+        for line in block.splitlines():
+            if line.startswith("rfsdp "):
+                build_parser().parse_args(shlex.split(line.split("  #")[0])[1:])
