@@ -5,7 +5,10 @@ saved at STEP, as that save reaches PHASE (``stage``, ``plan``, ``write``, ``fin
 ``trainer.events.SAVE_PHASES``), so tests can hit a save in flight without depending on timing.
 
 Each fault fires once per run, also across restarts: a marker file in ``RUN_DIR/faults/`` is
-created atomically (``O_EXCL``) just before the fault fires, with its ``fault`` event.
+created atomically (``O_EXCL``) just before the fault fires, with its ``fault`` event. The kinds
+of :data:`EVERY_TIME` stand for a bug in the model, the data or the code instead: they fire each
+time their step is reached, on a state resumed from before it too (``trainer.rank.failures``
+ends the job once one has used its retries).
 
 Rank kinds are fired by the rank itself (:class:`FaultInjector`). Node kinds
 (``node-loss@STEP:NODE``, ``partition@STEP:NODE:SECONDS``) hit a whole replica's host from
@@ -41,7 +44,11 @@ RANK_KINDS = {
     "enospc": "the rank's next write fails: disk full (the job ends with a fatal event)",
     "corrupt-local": "the rank flips a byte of its newest local snapshot, then raises (in-process restart skips that snapshot)",
     "lose-save": "with /PHASE: the save's unpublished folder is deleted under it (that save fails; a final one fails the run)",
+    "bug": "the step raises the same exception every time it is reached (a bug: one retry, then the job ends with a fatal event)",
+    "nan": "the rank's parameters turn NaN, so the step's loss does, every time (a bug: no checkpoint after it is published)",
 }
+EVERY_TIME = frozenset({"bug", "nan"})
+"""Kinds that fire each time their step is reached, not once per run."""
 NODE_KINDS = {
     "node-loss": "node-loss@STEP:NODE, the replica's host dies (--netns)",
     "partition": "partition@STEP:NODE:SECONDS, the host is cut off for SECONDS (--netns)",
@@ -53,6 +60,10 @@ FAULTS_DIR = "faults"
 
 class InjectedFault(RuntimeError):
     """The soft fault raised by an ``exception`` fault."""
+
+
+class InjectedBug(RuntimeError):
+    """The exception a ``bug`` fault raises each time its step is reached."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +124,8 @@ def parse_fault_spec(spec: str, *, steps: int, world_size: int, nnodes: int | No
         at_step[step] = item
         if phase and (kind not in RANK_KINDS or phase not in SAVE_PHASES):
             raise ParameterError("fault", f"{item!r}: /PHASE is one of {', '.join(SAVE_PHASES)}, for {', '.join(RANK_KINDS)}")
+        if phase and kind in EVERY_TIME:
+            raise ParameterError("fault", f"{item!r}: {kind} fires at the start of its step and takes no /PHASE")
         if kind in RANK_KINDS:
             if m["seconds"] is not None:
                 raise ParameterError("fault", f"{item!r}: only partition takes SECONDS")
@@ -144,26 +157,39 @@ def claim_fault(run_dir: Path, key: str) -> bool:
 
 
 class FaultInjector:
-    """Fires this rank's scheduled faults at their steps, once per run (``local_newest``: this
-    rank's own newest local snapshot, once written, which ``corrupt-local`` hits).
+    """Fires this rank's scheduled faults at their steps, once per run, or every time for the
+    kinds of :data:`EVERY_TIME` (``local_newest``: this rank's own newest local snapshot, once
+    written, which ``corrupt-local`` hits; ``poison``: turns this rank's parameters NaN, for ``nan``).
     """
 
     def __init__(
-        self, faults: list[Fault], run_dir: Path, rank: int, events: EventLog, *, local_newest: Callable[[], Path] | None = None
+        self,
+        faults: list[Fault],
+        run_dir: Path,
+        rank: int,
+        events: EventLog,
+        *,
+        local_newest: Callable[[], Path] | None = None,
+        poison: Callable[[], None] | None = None,
     ) -> None:
         self.pending = {(f.step, f.phase): f for f in faults if isinstance(f, Fault) and f.rank == rank}
         self.run_dir = Path(run_dir)
         self.events = events
         self.local_newest = local_newest
+        self.poison = poison
 
     def maybe_fire(self, step: int, phase: str = "") -> None:
         """Fire the fault scheduled for ``step`` (and the save ``phase``) on this rank, unless it
         already fired.
         """
         fault = self.pending.get((step, phase))
-        if fault is None or not claim_fault(self.run_dir, fault.key):
+        if fault is None or (fault.kind not in EVERY_TIME and not claim_fault(self.run_dir, fault.key)):
             return
         self.events.emit(FaultFired(kind=fault.kind, step=step, phase=phase or None))
+        if fault.kind == "bug":  # the same type, message and line every time: what a bug in the code does
+            raise InjectedBug(f"injected bug at step {step}")
+        if fault.kind == "nan":  # an overflow in this rank's weights: the step's loss and gradients are NaN
+            self.poison()
         if fault.kind == "exception":
             raise InjectedFault(f"injected exception at step {step}")
         if fault.kind == "sigkill":

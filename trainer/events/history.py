@@ -11,11 +11,13 @@ from typing import ClassVar
 
 from trainer.events.log import iter_events
 from trainer.events.records import (
+    FAILURE_CATEGORIES,
     RESTART_LAYERS,
     Checkpoint,
     CheckpointFailed,
     E,
     Event,
+    Failure,
     Fatal,
     FaultFired,
     Restart,
@@ -74,6 +76,20 @@ def fatal_error(events: Iterable[Event], job: str | None = None, *, since: float
     """The latest ``fatal`` event (of ``job``, when given; written at ``since`` or later), or None."""
     found = [e for e in events if isinstance(e, Fatal) and job in (None, e.job) and e.time >= since]
     return found[-1] if found else None
+
+
+def session_failures(events: Iterable[Event]) -> list[Failure]:
+    """The ``failure`` events of the latest session (since the last ``run_start``), in order: what
+    a suspected bug's retries are counted in, across in-process and in-job restarts alike (a
+    deliberate resume, once the cause is fixed, starts counting again).
+    """
+    found: list[Failure] = []
+    for e in events:
+        if isinstance(e, RunStart):
+            found = []
+        elif isinstance(e, Failure):
+            found.append(e)
+    return found
 
 
 @dataclass
@@ -221,6 +237,8 @@ def summarize(events: list[Event]) -> dict[str, float | int | None]:
         * ``restarts_<layer>``, ``recovery_s_mean|p50|max`` (fault to first completed step
           after it), ``lost_steps`` (summed) and ``lost_steps_max`` (the most one recovery lost)
           from the ``restart`` events.
+        * ``failures_<category>``: the ``failure`` events of each class (``infrastructure``,
+          ``bug``): exceptions the ranks met, one per rank that met one.
         * ``ckpt_write_mb_s_mean``: mean over checkpoints of ``bytes / total_s`` in MB/s
           (from the start of a save until it was published).
         * ``tokens_per_s``: tokens of the final trajectory / ``useful_time_s``.
@@ -248,6 +266,7 @@ def summarize(events: list[Event]) -> dict[str, float | int | None]:
         "final_loss": steps[last].loss if last is not None else None,
         "faults": len(select(events, FaultFired)),
         "restarts": len(restarts),
+        **{f"failures_{category}": sum(e.category == category for e in select(events, Failure)) for category in FAILURE_CATEGORIES},
         **{f"restarts_{layer}": sum(e.layer == layer for e in restarts) for layer in RESTART_LAYERS},
         "recovery_s_mean": statistics.fmean(recovery) if recovery else None,
         "recovery_s_p50": statistics.median(recovery) if recovery else None,

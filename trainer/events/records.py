@@ -222,16 +222,63 @@ class RunEnd(Event):
     saved_step: int | None = None
 
 
+FATAL_REASONS = ("non_transient", "bug")
+"""Why a job ended for good (``Fatal.reason``): an error whose cause is outside the job (a full
+disk, a forbidden path, corrupt data), or a suspected bug that came back after its retries."""
+FAILURE_CATEGORIES = ("infrastructure", "bug")
+"""The class of a failure (``Failure.category``; ``trainer.rank.failures`` decides)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Failure(Event):
+    """An exception that ended this rank's incarnation of the training function, classified
+    (``trainer.rank.failures``): ``category`` ``infrastructure`` (``kind`` ``collective``: a
+    peer or link lost; ``io``: an OS error known to be transient) or ``bug`` (``kind``
+    ``exception``, or ``nonfinite_loss``: the loss turned NaN or Inf). A bug's ``occurrence``
+    counts this rank's failures of the same ``error_type`` and ``origin`` at the same ``step``
+    in the session, this one included. Faults that never reach Python (a signal, an OOM kill, a
+    hang, a lost node) write none: they are infrastructure.
+    """
+
+    KIND: ClassVar[str] = "failure"
+    category: str
+    """One of ``FAILURE_CATEGORIES``."""
+    kind: str
+    error_type: str
+    """The exception's qualified type (``trainer.faults.InjectedBug``)."""
+    error: str
+    """``Type: message``."""
+    origin: str
+    """``file:line`` of the innermost frame of project or user code (not torch, NVRx or the standard library)."""
+    step: int | None
+    """The step the rank was in (None: before its first step)."""
+    occurrence: int = 1
+
+    def describe(self) -> str:
+        """One line for a person: which failure, where and how it was taken."""
+        at = f"step {self.step}" if self.step is not None else "start-up"
+        again = f", occurrence {self.occurrence}" if self.occurrence > 1 else ""
+        return f"{self.category} failure ({self.kind}) at {at} on rank {self.rank}: {self.error} at {self.origin}{again}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class Fatal(Event):
-    """An error no restart can fix (a full disk, a forbidden path, corrupt data), by the rank that
-    met it, which then ends its job (exit code ``trainer.errors.FATAL_EXIT_CODE``). ``job``: the
-    rendezvous id of that job; its launcher's later restarts of the ranks exit at once.
+    """An error no restart can fix, by the rank that met it, which then ends its job (exit code
+    ``trainer.errors.FATAL_EXIT_CODE``). ``reason`` ``non_transient``: a full disk, a forbidden
+    path, corrupt data; ``bug``: the same exception at the same ``step`` and ``origin`` came back
+    after its retries (``--max-bug-retries``), or the loss turned NaN or Inf, with its
+    ``traceback``. ``job``: the rendezvous id of that job; its launcher's later restarts of the
+    ranks exit at once.
     """
 
     KIND: ClassVar[str] = "fatal"
     error: str
     job: str
+    reason: str = "non_transient"
+    """One of ``FATAL_REASONS``."""
+    step: int | None = None
+    origin: str | None = None
+    traceback: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,8 +297,8 @@ class SystemSample(Event):
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.KIND: cls
     for cls in (
-        RunStart, Step, Checkpoint, CheckpointFailed, Mirror, MirrorFailed, MirrorRestore, RunWarning, FaultFired, Restart, Fatal, RunEnd,
-        SystemSample,
+        RunStart, Step, Checkpoint, CheckpointFailed, Mirror, MirrorFailed, MirrorRestore, RunWarning, FaultFired, Failure, Restart, Fatal,
+        RunEnd, SystemSample,
     )
 }  # fmt: skip
 E = TypeVar("E", bound=Event)

@@ -92,6 +92,11 @@ class TrainConfig:
     max_inprocess_restarts: int = 5
     """In-process restarts the same worker processes may do; one more fault ends them and in-job
     restart takes over (a fault that recurs must not restart forever)."""
+    max_bug_retries: int = 1
+    """Retries of a suspected bug: the same exception, from the same line of project or user code,
+    at the same step (or a loss that turns NaN or Inf). One more occurrence ends the job with a
+    ``fatal`` event (reason ``bug``) that no restart retries; infrastructure faults keep the
+    restart budgets (docs/recovery.md)."""
     hang_timeout: float = 10.0
     """Seconds without a heartbeat before a rank is declared hung (other timeouts derive)."""
     checkpoint_uri: str = ""
@@ -122,6 +127,8 @@ class TrainConfig:
             raise ParameterError("local_replicas", f"{self.local_replicas} replica(s) of local snapshots need --local-ckpt-every (0: off)")
         if self.max_inprocess_restarts < 0:
             raise ParameterError("max_inprocess_restarts", f"must be at least 0, got {self.max_inprocess_restarts}")
+        if self.max_bug_retries < 0:
+            raise ParameterError("max_bug_retries", f"must be at least 0, got {self.max_bug_retries}")
         if self.seq_len < 0:
             raise ParameterError("seq_len", f"must be at least 0 (0: the model's default), got {self.seq_len}")
         if self.seq_len == 0 and self.model in MODEL_SIZES:  # (an HF or py: model's is known once it is read)

@@ -61,6 +61,7 @@ from trainer.faults import FaultInjector
 from trainer.models import ModelSpec
 from trainer.process import die_with_parent, process_start_time
 from trainer.rank.config import Timeouts, TrainConfig, add_train_arguments, replica_cliques
+from trainer.rank.failures import Failures, check_loss, poison_parameters
 from trainer.rank.resilience import (
     AsyncCheckpointWriter,
     Attempt,
@@ -292,28 +293,35 @@ def train(
     attempt: Attempt,
 ) -> None:
     """One incarnation of the training function (``mirror``: rank 0's, if any; ``startup``: when
-    this process's start-up stages ended, unix times). An error no restart can fix ends the job
-    here, before in-process restart could retry it.
+    this process's start-up stages ended, unix times). An error no restart can fix, and a
+    suspected bug past its retries (``trainer.rank.failures``), end the job here, before
+    in-process restart could retry them; every other failure is recorded and restarted.
     """
+    failures = Failures(Path(cfg.run_dir), int(os.environ.get("RANK", 0)), max_bug_retries=cfg.max_bug_retries, job=_job_id())
     try:
-        _train(cfg, writer, mirror, preemption, startup, attempt)
+        _train(cfg, writer, mirror, preemption, startup, attempt, failures)
     except BaseException as e:  # DCP's CheckpointException is a BaseException
-        if (cause := non_transient_cause(e)) is None:
-            raise
-        end_job_fatally(Path(cfg.run_dir), cause)
+        if (cause := non_transient_cause(e)) is not None:
+            end_job_fatally(Path(cfg.run_dir), cause)
+        with attempt.atomic():  # NVRx's interruption for a peer's fault waits until it is recorded
+            if (fatal := failures.record(e)) is not None:
+                end_job_fatally(Path(cfg.run_dir), e, fatal)
+        raise
 
 
-def end_job_fatally(run_dir: Path, cause: BaseException) -> None:
-    """Record ``cause`` (a ``fatal`` event; stderr too, since a full disk may refuse the event)
-    and exit at once with ``FATAL_EXIT_CODE``: the peers' collectives fail and the launcher
-    stops them; its restarts of this job exit at once (:func:`main`).
+def end_job_fatally(run_dir: Path, cause: BaseException, fatal: Fatal | None = None) -> None:
+    """Record ``cause`` (a ``fatal`` event, ``fatal`` when given; stderr too, since a full disk
+    may refuse the event) and exit at once with ``FATAL_EXIT_CODE``: the peers' collectives fail
+    and the launcher stops them; its restarts of this job exit at once (:func:`main`).
     """
-    error = f"{type(cause).__name__}: {cause}"
+    fatal = fatal or Fatal(error=f"{type(cause).__name__}: {cause}", job=_job_id())
     # The event first: stderr may be a log on the same full volume, where the print fails too.
     with contextlib.suppress(OSError):
-        EventLog(run_dir, int(os.environ.get("RANK", 0))).emit(Fatal(error=error, job=_job_id()))
+        EventLog(run_dir, int(os.environ.get("RANK", 0))).emit(fatal)
     with contextlib.suppress(OSError):
-        print(f"rank {os.environ.get('RANK')}: fatal, no restart can fix this: {error}", file=sys.stderr, flush=True)
+        print(f"rank {os.environ.get('RANK')}: fatal, no restart can fix this: {fatal.error}", file=sys.stderr, flush=True)
+        if fatal.traceback:
+            print(fatal.traceback, file=sys.stderr, flush=True)
     os._exit(FATAL_EXIT_CODE)  # not an exception: in-process restart would retry it
 
 
@@ -339,6 +347,7 @@ def _train(
     preemption: Preemption,
     startup: dict[str, float],
     attempt: Attempt,
+    failures: Failures,
 ) -> None:
     marks = dict(startup)  # a recovery's timeline (the restart event's phases): when each stage ended
     launched = marks.pop("launcher_started")  # what a start's timeline (run_start's phases) counts from
@@ -388,7 +397,9 @@ def _train(
             )  # fmt: skip
         elif rt.rank == 0:
             events.emit(RunWarning(kind="local_tier_off", step=0, reason=f"{refused}; training goes on with the durable tier"))
-    faults = FaultInjector(cfg.faults, run_dir, rt.rank, events, local_newest=local.newest_own if local else None)
+    faults = FaultInjector(
+        cfg.faults, run_dir, rt.rank, events, local_newest=local.newest_own if local else None, poison=partial(poison_parameters, model)
+    )
     marks["model_built"] = time.time()
 
     def alive() -> None:
@@ -425,11 +436,13 @@ def _train(
     # newest complete state (:func:`resume`).
     step, stop = start, False
     for step in range(start + 1, last + 1):
+        failures.step = step
         faults.maybe_fire(step)
         t0 = time.perf_counter()
         loss, stop = train_step(state, lr_at(cfg, step), cfg.grad_clip, rt.device, accum=cfg.grad_accum_steps, stop=preemption.requested)
         step_time = time.perf_counter() - t0
         alive()
+        check_loss(step, loss)  # a NaN or Inf loss is a bug: this step is neither logged nor saved
         if rt.rank == 0:
             done = events.emit(Step(step=step, loss=loss, step_time_s=step_time, tokens=tokens_per_step))
             restart = (

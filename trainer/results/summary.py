@@ -12,9 +12,11 @@ from rich.table import Table
 
 from trainer.checkpoint import CHECKPOINTS, latest_checkpoint, published_checkpoints
 from trainer.events import (
+    FAILURE_CATEGORIES,
     RESTART_LAYERS,
     Checkpoint,
     Event,
+    Failure,
     FaultFired,
     Restart,
     corrupt_lines,
@@ -110,11 +112,13 @@ def print_run_summary(run_dir: Path) -> None:
     table.add_row("latest", latest.name if latest else "-")
     end = latest_end(events)
     table.add_row("ended", f"{end.status} at step {end.step}" if end and end.step is not None else end.status if end else "-")
+    if failures := select(events, Failure):
+        table.add_row("failures", ", ".join(f"{sum(e.category == c for e in failures)} {c}" for c in FAILURE_CATEGORIES))
     if corrupt := corrupt_lines(run_dir):
         shown = ", ".join(map(str, corrupt[:5])) + (", ..." if len(corrupt) > 5 else "")
         table.add_row("corrupt event lines", f"{len(corrupt)} skipped (line {shown})")
     console.print(table)
-    restarts = [e for e in events if isinstance(e, FaultFired | Restart)]
+    restarts = [e for e in events if isinstance(e, FaultFired | Failure | Restart)]
     if restarts:
         t = Table(title="faults and recoveries")
         for col in ("event", "kind / layer", "step / resumed", "lost steps", "recovery s"):
@@ -122,6 +126,8 @@ def print_run_summary(run_dir: Path) -> None:
         for e in restarts:
             if isinstance(e, FaultFired):
                 t.add_row("fault", e.kind, str(e.step), "", "")
+            elif isinstance(e, Failure):  # the class decides the retries (trainer.rank.failures)
+                t.add_row(f"failure, rank {e.rank}", f"{e.category}: {e.error_type.rsplit('.', 1)[-1]}", str(e.step), "", "")
             else:
                 t.add_row("restart", e.layer, str(e.resumed_from_step), str(e.lost_steps), f"{e.recovery_s:.2f}")
         console.print(t)
