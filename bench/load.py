@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import fmt, fresh_dir, interleaved, median, print_table, ratio, run_torchrun
+from bench.common import fmt, fresh_dir, interleaved, median, print_table, print_targets, ratio, run_torchrun, target
 
 METHODS = ("sharded", "from_pretrained")
 FULL = {"shape": {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 24, "num_attention_heads": 16,
@@ -138,7 +138,12 @@ def run(quick: bool, work: Path, data: Path) -> dict:
         methods["sharded"]["load_anon_mib_per_rank"], methods["from_pretrained"]["load_anon_mib_per_rank"]
     )
     p = {"parameters": parameters, "model_mib_fp32": model_mib, "ranks": 2, **params}
-    return {"benchmark": "load", "params": p, "methods": methods}
+    sharded = methods["sharded"]
+    targets = [
+        target("sharded: a node's own memory for the load / the fp32 model <= 1.25", sharded["anon_over_model"], 1.25),
+        target("sharded / from_pretrained own memory per rank <= 1.05", sharded["anon_ratio_vs_from_pretrained"], 1.05),
+    ]
+    return {"benchmark": "load", "params": p, "methods": methods, "targets": targets}
 
 
 def show(result: dict) -> None:
@@ -155,6 +160,7 @@ def show(result: dict) -> None:
         "RSS: ru_maxrss above its imports' (with the weight files' shared pages)"
     )
     print_table(title, ["method", "own memory / rank", "node / model", "RSS / rank", "until sharded"], rows, caption)
+    print_targets(result["targets"])
 
 
 def main() -> None:

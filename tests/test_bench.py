@@ -35,6 +35,7 @@ EXPECTED = {
         "keys": {"steps_per_s", "ratio", "samples", "base", "vs_base", "models"},
     },
     "goodput": {"methods": {"resilient", "baseline"}, "keys": {"goodput", "ratio", "wall_ratio", "wall_s", "useful_s", "runs"}},
+    "load": {"methods": {"sharded", "from_pretrained"}, "keys": {"load_anon_mib_per_rank", "anon_over_model", "seconds"}},
     "soak": {
         "methods": {"resilient", "resilient_local", "baseline"},
         "keys": {"goodput", "ettr", "ratio", "wall_ratio", "wall_s", "lost_steps", "runs"},
@@ -102,6 +103,10 @@ def test_quick_benchmark_writes_json(name: str, tmp_path: Path) -> None:
         assert methods["plain"]["ratio"] == methods["plain_loaded"]["ratio"] == 1.0
     elif name == "soak":
         _check_soak(bench)
+    elif name == "load":
+        for method in bench["methods"].values():
+            assert method["load_anon_mib_per_rank"] > 0 and _finite(method["anon_over_model"]) and method["seconds"] > 0
+        assert bench["params"]["parameters"] > 0
     else:
         for method in bench["methods"].values():
             assert 0 < method["goodput"] < 1 and method["runs"][0]["steps"] == bench["params"]["steps"]
@@ -181,3 +186,26 @@ def test_unwritable_json_path_is_refused(tmp_path: Path) -> None:
     proc = rfsdp("bench", "overhead", "--quick", "--json", str(blocker / "out.json"), "--work", str(tmp_path / "work"))
     assert proc.returncode == 2 and "--json" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "work").exists()  # refused before anything was written
+
+
+def test_model_is_refused_where_it_does_not_apply_or_is_bad(tmp_path: Path) -> None:
+    proc = rfsdp("bench", "soak", "--model", "tiny", "--work", str(tmp_path / "work"))
+    assert proc.returncode == 2 and "--model applies to the checkpoint and overhead" in proc.stderr and "Traceback" not in proc.stderr
+    proc = rfsdp("bench", "checkpoint", "--model", f"hf:{tmp_path / 'missing'}", "--work", str(tmp_path / "work"))
+    assert proc.returncode == 2 and "--model" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "work").exists()  # refused before anything ran
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_checkpoint_benchmark_saves_your_own_model(tmp_path: Path) -> None:
+    from tests.test_models import save_model
+
+    model = save_model(tmp_path / "llama", "llama", weights=False)
+    out = tmp_path / "bench.json"
+    args = ("--quick", "--model", f"hf:{model}", "--json", str(out), "--work", str(tmp_path / "work"))
+    proc = rfsdp("bench", "checkpoint", *args, timeout=800)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    bench = json.loads(out.read_text())["benchmarks"]["checkpoint"]
+    assert bench["params"]["model"] == f"hf:{model}" and bench["params"]["parameters"] > 100_000  # the Llama's, not a built-in size's
+    assert set(bench["methods"]) == EXPECTED["checkpoint"]["methods"] and bench["methods"]["torch_save"]["stall_ratio"] == 1.0

@@ -243,6 +243,13 @@ def _bench(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise ValueError(f"{flag}: {e}") from None
     options = {"soak": soak} if soak else {}
+    if args.model:
+        if not set(names) <= {"checkpoint", "overhead"}:
+            raise ValueError(f"--model applies to the checkpoint and overhead benchmarks only, not to {args.which}")
+        from trainer.models import check_model
+
+        check_model(args.model)  # a bad model is refused before anything runs
+        options |= {name: {"model": args.model} for name in names}
     return run_benchmarks(names, quick=args.quick, json_path=args.json, work=args.work, options=options)
 
 
@@ -379,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_pipeline)
 
     p = sub.add_parser("bench", help="benchmarks against the alternatives (torch.save, dcp.async_save, torchrun restarts)")
-    p.add_argument("which", choices=["checkpoint", "recovery", "overhead", "goodput", "soak", "all"], help="which benchmark to run")
+    p.add_argument("which", choices=["checkpoint", "recovery", "overhead", "goodput", "soak", "load", "all"], help="which benchmark to run")
     p.add_argument("--quick", action="store_true", help="everything sized down (a smoke run, not figures to quote)")
     p.add_argument("--json", type=Path, help="write the results (per method: medians and ratios) to this JSON file")
     p.add_argument("--work", type=Path, help="scratch directory for data, checkpoints and run dirs (default: work/bench)")
@@ -391,6 +398,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         metavar="N",
         help="soak only: durable checkpoints between two faults (default: 12; fewer: durable saves as dear as at scale)",
+    )
+    p.add_argument(
+        "--model",
+        metavar="MODEL",
+        help="checkpoint and overhead only: a --model of yours (hf:PATH, py:...) instead of the built-in sizes",
     )
     p.set_defaults(func=_bench)
     return parser
