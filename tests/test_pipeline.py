@@ -31,7 +31,8 @@ from kfp.pipeline_spec import pipeline_spec_pb2
 
 from components.runs import FAILURE_FILE, TRAIN_STEP
 from components.train import train
-from pipelines.resilient_fsdp import PIPELINE_NAME, compile_pipeline, parameter_defaults, run_local, submit
+from pipelines.resilient_fsdp import PIPELINE_NAME, parameter_defaults
+from pipelines.run import compile_pipeline, run_local, submit
 from tests.conftest import MlflowServer, as_unprivileged
 from trainer.cli import main
 from trainer.errors import ParameterError

@@ -194,9 +194,10 @@ def _pipeline(args: argparse.Namespace) -> int:
     import yaml
 
     from pipelines import resilient_fsdp as pl
+    from pipelines import run
 
     if args.action == "compile":
-        print(f"compiled {pl.compile_pipeline(Path(args.out))}")
+        print(f"compiled {run.compile_pipeline(Path(args.out))}")
         return 0
     if args.action == "params":
         print(pl.parameters_yaml() if args.yaml else pl.parameters_text(), end="")
@@ -207,13 +208,13 @@ def _pipeline(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(pl.pytorchjob_manifest(overrides), sort_keys=False), end="")
     elif args.action == "run-local":
         try:
-            result = pl.run_local(overrides, Path(args.root), quiet=not args.verbose)
+            result = run.run_local(overrides, Path(args.root), quiet=not args.verbose)
         except RuntimeError as e:  # a step failed: kfp.local names it, the step's output is in its log
             print(f"rfsdp pipeline run-local: a step failed: {e}; log-to-mlflow recorded the failure", file=sys.stderr)
             return 1
-        pl.print_local_result(result)
+        run.print_local_result(result)
     else:
-        ids = pl.submit(
+        ids = run.submit(
             args.host,
             overrides,
             kfp_experiment=args.kfp_experiment,

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainer.errors import ParameterError
-from trainer.models.builtin import MODEL_SIZES, ModelSize
-from trainer.models.spec import ModelSpec, causal_lm_loss
+from trainer.models.sizes import MODEL_SIZES, ModelSize
 
-__all__ = [
-    "MODEL_SIZES", "ModelInfo", "ModelSize", "ModelSpec", "build_model", "causal_lm_loss", "check_model", "check_model_name",
-    "parameter_count",
-]  # fmt: skip
+if TYPE_CHECKING:  # (importing this package must not import torch: the pipeline's definition reads it)
+    from trainer.models.spec import ModelSpec
+
+__all__ = ["MODEL_SIZES", "ModelInfo", "ModelSize", "build_model", "check_model", "check_model_name", "parameter_count"]
 
 
 def check_model_name(name: str) -> None:

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from trainer.models import ModelSpec, build_model
+from trainer.models import build_model
+from trainer.models.spec import ModelSpec
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,7 +58,7 @@ from trainer.events import (
     recovery_layer,
 )
 from trainer.faults import FaultInjector
-from trainer.models import ModelSpec
+from trainer.models.spec import ModelSpec
 from trainer.process import die_with_parent, process_start_time
 from trainer.rank.config import Timeouts, TrainConfig, add_train_arguments, replica_cliques
 from trainer.rank.failures import Failures, check_loss, poison_parameters

@@ -60,7 +60,7 @@ from trainer.data.shards import DataError, TokenLoader, load_manifest, load_spli
 from trainer.events import RunStart, final_losses, read_events, select
 from trainer.launch.local import RUN_CONFIG, launch_local
 from trainer.launch.spec import LaunchSpec
-from trainer.models import ModelSpec
+from trainer.models.spec import ModelSpec
 from trainer.rank.config import TrainConfig
 from trainer.rank.runtime import build_unsharded
 from trainer.results.states import differences, load_resharded, tensors
