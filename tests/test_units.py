@@ -308,11 +308,11 @@ def test_outside_internals_the_async_writer_relies_on() -> None:
 
 
 def test_validation_replays_never_touch_the_runs_mirror_or_faults(tmp_path: Path, data_dir: Path) -> None:
-    from trainer.results.validate import _run_config
+    from trainer.results.validate import run_config
 
     recorded = cfg(fault="exception@5:1", checkpoint_uri="s3://production/run", stop_at_step=30).to_dict()
     EventLog(tmp_path, 0).emit(RunStart(config=recorded, resumed_from_step=0, world_size=2))
-    replay = _run_config(tmp_path, data_dir)
+    replay = run_config(tmp_path, data_dir)
     assert (replay.checkpoint_uri, replay.fault, replay.stop_at_step) == ("", "", 0)
     assert replay.trajectory_hash() == cfg(**{k: v for k, v in recorded.items() if k not in ("data", "run_dir")}).trajectory_hash()
 

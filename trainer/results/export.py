@@ -36,7 +36,7 @@ from trainer.checkpoint import CHECKPOINTS, published_checkpoints, read_full_sta
 from trainer.data.shards import DataError, tokenizer_dir
 from trainer.errors import ParameterError
 from trainer.models import MODEL_SIZES, build_model
-from trainer.results.validate import _run_config
+from trainer.results.validate import run_config
 from trainer.storage.store import StorageError, is_remote, open_storage, upload_tree
 
 CONFIG = "config.json"
@@ -115,7 +115,7 @@ def export_run(
     limit = parse_size(max_shard_size)
     if not run_dir.is_dir():
         raise ParameterError("run_dir", f"{run_dir} does not exist")
-    cfg = _run_config(run_dir, data)  # (a ValidationError names --run-dir or --data)
+    cfg = run_config(run_dir, data)  # (a ValidationError names --run-dir or --data)
     published = dict(published_checkpoints(run_dir / CHECKPOINTS))
     if not published:
         raise ParameterError("run_dir", f"{run_dir} has no published checkpoint (nothing in {run_dir / CHECKPOINTS})")

@@ -226,7 +226,7 @@ def validate_run(
         raise ValidationError(f"--replay-steps must be at least 1, got {replay_steps}")
     if not run_dir.is_dir():
         raise ValidationError(f"--run-dir {run_dir} does not exist")
-    cfg = _run_config(run_dir, data)
+    cfg = run_config(run_dir, data)
     published = published_checkpoints(run_dir / CHECKPOINTS)
     if not published:
         raise ValidationError(f"--run-dir {run_dir} has no published checkpoint (nothing in {run_dir / CHECKPOINTS})")
@@ -253,7 +253,7 @@ def validate_run(
     return first
 
 
-def _run_config(run_dir: Path, data: Path | None) -> TrainConfig:
+def run_config(run_dir: Path, data: Path | None) -> TrainConfig:
     """The run's training config: its last ``run_start`` event's, with ``config.json``'s
     trajectory fields on top (the ones a resume must match), this run dir and ``data``.
     """
