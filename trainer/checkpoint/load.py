@@ -34,9 +34,10 @@ def read_rank_state(path: Path, rank: int) -> dict:
     return open_checkpoint(path).rank_state(rank)
 
 
-def read_full_state(path: Path) -> dict:
+def read_full_state(path: Path, *, keys: set[str] | None = None) -> dict:
     """A published checkpoint's tensors as one unsharded state dict, in a single process with
-    no process group (DCP reshards on load), through :func:`open_checkpoint`.
+    no process group (DCP reshards on load), through :func:`open_checkpoint`. ``keys``: only
+    these top-level parts (``{"model"}``: not the optimizer's two moments, twice its size).
     """
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -45,7 +46,8 @@ def read_full_state(path: Path) -> dict:
     checkpoint.metadata()  # verified and read here, so that a bad one raises as itself (DCP would wrap it)
     state: dict = {}
     try:
-        _load_state_dict(state, storage_reader=checkpoint.storage_reader(), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        planner = _EmptyStateDictLoadPlanner(keys=keys)
+        _load_state_dict(state, storage_reader=checkpoint.storage_reader(), planner=planner, no_dist=True)
     except dcp.CheckpointException as e:  # one process: its own error, as itself
         cause = next((f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()), None)
         if isinstance(cause, CheckpointError):

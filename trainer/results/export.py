@@ -129,7 +129,7 @@ def export_run(
         raise ParameterError("data", f"cannot read the run's data set {cfg.data} for its tokenizer ({e}); pass --data DIR") from None
     model = _ModelFiles(cfg.model, cache=run_dir / "model_cache")  # checked before anything is read or written
 
-    state = read_full_state(published[step])["model"]
+    state = read_full_state(published[step], keys={"model"})["model"]  # (the optimizer's state: twice the model, unread)
     weights = model.weights(state)
     with tempfile.TemporaryDirectory(prefix="rfsdp-export-") as tmp:
         staged = Path(tmp) / "model"
