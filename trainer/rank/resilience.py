@@ -591,6 +591,10 @@ class CollectiveConnections:
     def __init__(self) -> None:
         self._made: dict[int, int] = {}
         self._lock = threading.Lock()  # the abort runs on the wrapper's monitor thread
+        self.aborted = False
+        """The wrapper's abort has cut the current attempt's connections (reset as the next one
+        starts): what fails on this rank from then on is the abort's doing (for some rank's
+        fault), no failure of its own."""
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
@@ -612,6 +616,7 @@ class CollectiveConnections:
         """
         with self._lock:
             made, self._made = self._made, {}
+            self.aborted = True
         cut = 0
         for fd, inode in made.items():
             try:
@@ -750,6 +755,7 @@ def run_restartable(train_fn: Callable[[Attempt], None], timeouts: Timeouts, *, 
     def wrapped(call_wrapper: inprocess.CallWrapper | None = None) -> None:
         iteration = call_wrapper.iteration
         hooks = {"atomic": call_wrapper.atomic, "ping": call_wrapper.ping, "connections": connections}
+        connections.aborted = False  # a new attempt: the last one's abort is over
         train_fn(Attempt(iteration, store_port=base + 1 + iteration, **hooks))
 
     wrapper(wrapped)()

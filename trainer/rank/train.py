@@ -303,9 +303,13 @@ def train(
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         if (cause := non_transient_cause(e)) is not None:
             end_job_fatally(Path(cfg.run_dir), cause)
-        with attempt.atomic():  # NVRx's interruption for a peer's fault waits until it is recorded
-            if (fatal := failures.record(e)) is not None:
-                end_job_fatally(Path(cfg.run_dir), e, fatal)
+        # Not inside NVRx's atomic section: its termination of this attempt holds that lock until
+        # this rank is back in the wrapper, so waiting for it here stalls the restart until the
+        # soft timeout and then fails the process. An append is whole or absent: an interruption
+        # that lands in it loses one record, never the restart. Once the wrapper's abort has cut
+        # this attempt's connections, a failure here is its doing: the rank that faulted records it.
+        if not attempt.connections.aborted and (fatal := failures.record(e)) is not None:
+            end_job_fatally(Path(cfg.run_dir), e, fatal)
         raise
 
 
