@@ -424,7 +424,7 @@ def test_a_store_client_connects_once_its_server_listens(monkeypatch: pytest.Mon
 
     import torch.distributed as dist
 
-    from trainer.rank import resilience
+    from trainer.rank import connections
 
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
@@ -437,18 +437,18 @@ def test_a_store_client_connects_once_its_server_listens(monkeypatch: pytest.Mon
             listener.listen()
 
         threading.Thread(target=listen_later).start()
-        resilience.wait_until_listening("127.0.0.1", port, 30)
+        connections.wait_until_listening("127.0.0.1", port, 30)
         assert listening_since and time.monotonic() >= listening_since[0]
-    resilience.wait_until_listening("127.0.0.1", port, 0.2)  # nothing listens: returns, raising nothing
+    connections.wait_until_listening("127.0.0.1", port, 0.2)  # nothing listens: returns, raising nothing
 
     waited: list[tuple[str, int]] = []
-    wait = resilience.wait_until_listening
+    wait = connections.wait_until_listening
 
     def recorded_wait(host: str, port: int, timeout_s: float) -> None:
         waited.append((host, port))
         wait(host, port, timeout_s)
 
-    monkeypatch.setattr(resilience, "wait_until_listening", recorded_wait)
+    monkeypatch.setattr(connections, "wait_until_listening", recorded_wait)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -460,7 +460,7 @@ def test_a_store_client_connects_once_its_server_listens(monkeypatch: pytest.Mon
 
     server = threading.Thread(target=serve)
     server.start()
-    client = resilience.make_store(resilience.Attempt(store_port=port), 30)
+    client = connections.make_store(connections.Attempt(store_port=port), 30)
     server.join()
     assert waited == [("127.0.0.1", port)] and client.get("from rank 0") == b"hello"
 
