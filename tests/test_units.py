@@ -278,8 +278,8 @@ def test_a_run_history_keeps_what_a_restart_needs_and_reads_only_its_kinds(tmp_p
 
 
 def test_outside_internals_the_async_writer_relies_on() -> None:
-    """Private NVRx 0.4.1 and torch 2.13 APIs used by ``trainer.rank.resilience`` (listed there): an
-    upgrade that moves them fails here, not in a training run."""
+    """Private NVRx 0.4.1 and torch 2.13 APIs used by ``trainer.rank.resilience.async_writer``
+    (listed there): an upgrade that moves them fails here, not in a training run."""
     import importlib.metadata
     import inspect
 
@@ -288,8 +288,9 @@ def test_outside_internals_the_async_writer_relies_on() -> None:
     from torch.distributed import _state_dict_utils
 
     from trainer.rank.resilience import _ForkedCaller
+    from trainer.rank.resilience.async_writer import NVRX_CHECKED
 
-    assert importlib.metadata.version("nvidia-resiliency-ext") == "0.4.1"
+    assert importlib.metadata.version("nvidia-resiliency-ext") == NVRX_CHECKED == "0.4.1"
     caller = PersistentAsyncCaller()
     assert caller.process is None and hasattr(caller.queue, "put") and hasattr(caller.comp_q, "get_nowait")
     assert hasattr(caller.preload_q, "get")
@@ -305,6 +306,25 @@ def test_outside_internals_the_async_writer_relies_on() -> None:
     assert filesystem_async._results_queue is None or isinstance(filesystem_async._results_queue, queue.SimpleQueue)
     assert "global _results_queue" in inspect.getsource(filesystem_async._get_write_results_queue)
     assert callable(_state_dict_utils._copy_state_dict) and callable(_state_dict_utils._create_cpu_state_dict)
+
+
+def test_the_async_writer_refuses_an_nvrx_whose_internals_moved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer's own guard, for a run on an NVRx other than the one pinned above: it passes on
+    that one, and refuses one whose worker loop takes other arguments as the writer is made,
+    naming both versions, where the worker would have died in the background at the first save."""
+    from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.core import PersistentAsyncCaller
+
+    from trainer.errors import NonTransientError
+    from trainer.rank.resilience import AsyncCheckpointWriter
+    from trainer.rank.resilience.async_writer import check_nvrx_internals
+
+    check_nvrx_internals()
+    monkeypatch.setattr(PersistentAsyncCaller, "async_loop", staticmethod(lambda rank, queue, preload_q, comp_q: None))
+    monkeypatch.delattr(filesystem_async, "_results_queue")
+    refused = r"nvidia-resiliency-ext \S+ is not what .* checked against \(0\.4\.1\): .*PersistentAsyncCaller\.async_loop\(rank, "
+    with pytest.raises(NonTransientError, match=refused + r".*filesystem_async\._results_queue"):
+        AsyncCheckpointWriter(cuda=False)
 
 
 def test_validation_replays_never_touch_the_runs_mirror_or_faults(tmp_path: Path, data_dir: Path) -> None:

@@ -2,7 +2,7 @@
 module per concern, none importing another.
 
 - ``async_writer``: :class:`AsyncCheckpointWriter`, DCP shards written by NVRx's persistent
-  background worker.
+  background worker (a compatibility layer over NVRx internals, naming the version checked).
 - ``monitor``: :class:`RankMonitor`, heartbeats to ft_launcher's rank monitor (in-job restart on hangs).
 - ``inprocess``: :func:`run_restartable`, the training function inside ``inprocess.Wrapper``
   (in-process restart).

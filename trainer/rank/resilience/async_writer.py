@@ -1,5 +1,11 @@
 """The ``async`` checkpoint mode: DCP shards written by NVRx's persistent background worker.
 
+A compatibility layer over NVRx internals, checked against nvidia-resiliency-ext 0.4.1
+(:data:`NVRX_CHECKED`). :func:`check_nvrx_internals` refuses an NVRx whose worker loop or shard
+writer no longer takes what is passed here, as the writer is made (the worker would otherwise
+die in the background, every save failing for want of an outcome); tests/test_units.py pins
+the rest.
+
 NVRx internals used here (nvidia-resiliency-ext 0.4.1), pinned by tests/test_units.py:
 - ``PersistentAsyncCaller``'s ``process``, ``queue``, ``preload_q`` and ``comp_q`` attributes and its
   worker loop ``async_loop(rank, queue, preload_q, comp_q, log_level)``: to start the worker
@@ -17,6 +23,8 @@ buffers, as ``dcp.async_save`` does.
 
 import contextlib
 import errno
+import importlib.metadata
+import inspect
 import json
 import logging
 import multiprocessing
@@ -46,6 +54,45 @@ from torch.distributed.tensor import DTensor
 from trainer.checkpoint import CheckpointWriteError, SaveHooks, write_rank_checksums
 from trainer.errors import NonTransientError, non_transient_cause
 from trainer.process import die_with_parent, lower_priority
+
+NVRX_CHECKED = "0.4.1"
+"""The nvidia-resiliency-ext release whose internals this module was checked against."""
+
+# What is passed to NVRx by position: the worker loop's arguments (:func:`_worker_main`) and the
+# shard writer's (``save_fn`` in :func:`_write_shard`, NVRx binding the first two).
+_NVRX_PARAMETERS = {
+    (PersistentAsyncCaller, "async_loop"): ["rank", "queue", "preload_q", "comp_q", "log_level"],
+    (FileSystemWriterAsync, "write_preloaded_data_multiproc"): [
+        "transform_list",
+        "use_msc",
+        "rank",
+        "write_buckets",
+        "global_results_queue",
+    ],
+}
+
+
+def check_nvrx_internals() -> None:
+    """Raise :class:`NonTransientError`, naming both versions, where the installed NVRx lacks an
+    internal this writer relies on in the form it was checked against (microseconds: the writer
+    is made once per process).
+    """
+    changed = [
+        f"{owner.__name__}.{name}({', '.join(parameters)})"
+        for (owner, name), parameters in _NVRX_PARAMETERS.items()
+        if not callable(function := getattr(owner, name, None)) or list(inspect.signature(function).parameters) != parameters
+    ]
+    if not hasattr(filesystem_async, "_results_queue"):
+        changed.append("filesystem_async._results_queue")
+    if changed:
+        try:
+            installed = importlib.metadata.version("nvidia-resiliency-ext")
+        except importlib.metadata.PackageNotFoundError:
+            installed = "(version unknown)"
+        raise NonTransientError(  # no restart brings the internals back
+            f"nvidia-resiliency-ext {installed} is not what the async checkpoint writer was checked against "
+            f"({NVRX_CHECKED}): expected, not found: {'; '.join(changed)} (trainer/rank/resilience/async_writer.py)"
+        )
 
 
 def _write_shard(
@@ -291,6 +338,7 @@ class AsyncCheckpointWriter:
     mode = "async"
 
     def __init__(self, *, cuda: bool) -> None:
+        check_nvrx_internals()  # here, not in a worker that dies in the background
         self.cuda = cuda
         self._done = torch.zeros(1, dtype=torch.int64).share_memory_()  # last request the worker finished
         self._sent = 0  # last request handed to the worker
