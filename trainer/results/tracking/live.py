@@ -1,0 +1,107 @@
+"""Logging a run to MLflow while it trains (:class:`LiveLogger`), into the MLflow run that
+:func:`~trainer.results.tracking.runs.log_run` completes afterwards.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from trainer.events import EVENTS_FILE, Event, EventTail, Step
+from trainer.results.tracking.metrics import metric_points
+from trainer.results.tracking.runs import DEFAULT_EXPERIMENT, RUN_KEY_TAG, _client, find_or_create_run, log_points, run_key, source_tags
+from trainer.results.tracking.uri import TrackingError, redact, resolve_tracking_uri, wait_for_server
+
+
+class LiveLogger:
+    """Logs a run to MLflow while it trains, from a background thread of the launching process:
+    every ``interval_s``, the step, checkpoint and restart points of the events written since
+    (MLflow steps are training steps; a redone step is a second point at its own time). The
+    MLflow run is the one :func:`log_run` finds again by the run dir's identity, shown RUNNING
+    until ``log_run`` completes it. It never blocks or fails the training: while the server is
+    unreachable, the points wait for the next attempt (``error`` says why).
+
+    Args:
+        run_dir: the run being trained.
+        tracking_uri: where to log (see :func:`resolve_tracking_uri`).
+        experiment: the MLflow experiment.
+        interval_s: seconds between loggings.
+        run_name: the MLflow run's name if this creates it (default: the run dir's name), as
+            :func:`log_run` would name it.
+        tags: extra tags of a run this creates (the pipeline's KFP run, image, backend).
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        tracking_uri: str | None = None,
+        experiment: str = DEFAULT_EXPERIMENT,
+        interval_s: float = 5.0,
+        run_name: str | None = None,
+        tags: dict[str, str] | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.uri = resolve_tracking_uri(tracking_uri)
+        self.experiment = experiment
+        self.interval_s = interval_s
+        self.run_name = run_name or self.run_dir.name
+        self.tags = tags or {}
+        self._origin: float | None = None  # the run's first event: system points' steps count from it
+        self.run_id: str | None = None
+        self.error: str | None = None
+        self._tail = EventTail(self.run_dir)
+        self._waiting: list[Event] = []
+        self._done_before = 0  # the highest step logged so far: a step at or below it is redone
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="mlflow-live", daemon=True)
+
+    def start(self) -> LiveLogger:
+        """Start following the run."""
+        self._thread.start()
+        return self
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Log what is left (one last attempt, at most ``timeout_s``) and stop."""
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        from mlflow.exceptions import MlflowException
+        from requests.exceptions import RequestException
+
+        while True:
+            stopping = self._stop.wait(self.interval_s)
+            self._waiting += self._tail.new()
+            try:
+                self._flush()
+                self.error = None
+            except (MlflowException, RequestException, OSError, ValueError, TrackingError) as e:
+                self.error = redact(f"{type(e).__name__}: {e}", self.uri)  # caught up at the next attempt
+            if stopping:
+                return
+
+    def _flush(self) -> None:
+        from mlflow.entities import RunTag
+
+        if self._origin is None and self._waiting:
+            self._origin = self._waiting[0].time
+        points = metric_points(self._waiting, totals=False, done_before=self._done_before, origin=self._origin)
+        if not points:
+            self._waiting = []
+            return
+        wait_for_server(self.uri, retries=1)  # a server that is down fails fast, not after the client's own retries
+        client = _client(self.uri)
+        if self.run_id is None:
+            events_path = self.run_dir / EVENTS_FILE
+            key = run_key(events_path)  # ValueError until the run_start is written: tried again
+            start = int(self._waiting[0].time * 1000)
+            self.run_id, found = find_or_create_run(
+                client, self.uri, self.experiment, RUN_KEY_TAG, key, run_name=self.run_name, start_time=start
+            )
+            if found is None:  # a new run: tagged, so that log_run finds it again
+                run_tags = {**source_tags(), **self.tags, RUN_KEY_TAG: key, "rfsdp.run_dir": str(self.run_dir.resolve())}
+                client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in run_tags.items()])
+        log_points(client, self.run_id, points)
+        self._done_before = max([self._done_before, *(e.step for e in self._waiting if isinstance(e, Step))])
+        self._waiting = []
