@@ -31,7 +31,7 @@ from kubernetes import config as kube_config
 from trainer.checkpoint import SIGNING_KEY_ENV, latest_checkpoint, manifest_signature
 from trainer.emulation.apiserver import RBAC_FILE
 from trainer.emulation.cluster import Cluster, cluster_problem, emulated_cluster
-from trainer.events import FaultFired, Restart, read_events, select
+from trainer.events import FaultFired, NodesPreempted, Restart, RunEnd, Step, final_losses, read_events, select
 from trainer.launch.k8s import JobFailed, run_pytorchjob
 
 PROBLEM = cluster_problem()
@@ -483,14 +483,14 @@ def test_run_local_runs_the_whole_pipeline_through_the_emulated_cluster(tmp_path
 
 @pytest.mark.slow
 def test_a_preempted_pytorchjob_fails_the_train_step_and_is_logged_failed(tmp_path: Path) -> None:
-    """A 2-node PyTorchJob preempted (the sigterm fault: worker 0's container gets SIGTERM): the
-    ranks checkpoint step 6 and exit 0, and the elastic job ends Succeeded, yet the train step fails
-    with how to resume the run, and MLflow holds a FAILED run with that reason (never a FINISHED,
-    validated partial model)."""
+    """A 2-node PyTorchJob preempted as a whole (the sigterm fault on both ranks: every worker's
+    container gets SIGTERM): the ranks checkpoint step 6 and exit 0, and the elastic job ends
+    Succeeded, yet the train step fails with how to resume the run, and MLflow holds a FAILED run
+    with that reason (never a FINISHED, validated partial model)."""
     import mlflow
 
     settings = ["backend=kubernetes", "training_run=preempted", "nnodes=2", "nproc_per_node=1", "steps=12", "ckpt_every=4"]
-    settings += ["fault=sigterm@6:0", "hang_timeout=6"]
+    settings += ["fault=sigterm@6:0,sigterm@6:1", "hang_timeout=6"]
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     sets = [arg for s in settings for arg in ("--set", s)]
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
@@ -503,3 +503,44 @@ def test_a_preempted_pytorchjob_fails_the_train_step_and_is_logged_failed(tmp_pa
     (run,) = client.search_runs([client.get_experiment_by_name("resilient-fsdp").experiment_id])
     assert run.info.status == "FAILED" and run.data.tags["rfsdp.failed_step"] == "train"
     assert run.data.tags["rfsdp.failure_reason"] == "RuntimeError: preempted at step 6; start a run with training_run=preempted to resume"
+
+
+@pytest.mark.slow
+def test_an_evicted_worker_pod_checkpoints_and_the_job_resumes_in_its_replacement(tmp_path: Path) -> None:
+    """`kubectl delete pod NAME-worker-1` mid-run, as an eviction or a node drain does it (SIGTERM,
+    then the grace period). Both ranks checkpoint the step reached. The evicted pod ends Failed,
+    never Succeeded (a deleted pod reaches a terminal phase, and one Succeeded worker completes an
+    elastic job). Worker 0's ranks wait in the rendezvous: its container never restarts. The
+    operator recreates worker 1 and the job resumes from that step, losing none, and succeeds.
+    """
+    settings = ["backend=kubernetes", "training_run=evicted", "nnodes=2", "nproc_per_node=1", "steps=150", "ckpt_every=50"]
+    settings += ["hang_timeout=6"]
+    sets = [arg for s in settings for arg in ("--set", s)]
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    root = tmp_path / "root"
+    run = root / "workspace" / "evicted" / "run"
+    cli = [sys.executable, "-m", "trainer.cli", "pipeline", "run-local", "--root", str(root), *sets]
+    with subprocess.Popen(cli, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        try:
+            wait_for(lambda: any(e.step >= 5 for e in select(read_events(run), Step)), timeout=300, what="step 5")
+            kubectl = {**env, "KUBECONFIG": str(root / "cluster" / "admin.kubeconfig"), "HOME": str(tmp_path)}
+            subprocess.run(["kubectl", "delete", "pod", "evicted-worker-1", "--wait=false"], env=kubectl, check=True, timeout=60)
+            out, _ = proc.communicate(timeout=600)
+        finally:
+            proc.kill()
+    assert proc.returncode == 0, out[-6000:]
+    events = read_events(run)
+    (left,) = select(events, NodesPreempted)
+    assert (left.nodes, left.nnodes, left.others) == ([1], 2, "wait") and 5 <= left.step < 150
+    (restart,) = select(events, Restart)
+    assert (restart.layer, restart.resumed_from_step, restart.lost_steps) == ("in_job", left.step, 0)
+    assert [e.status for e in select(events, RunEnd)] == ["completed"] and max(final_losses(events)) == 150
+    stored = yaml.safe_load((root / "cluster" / "evicted.pytorchjob.yaml").read_text())
+    assert conditions(stored)[-1] == "Succeeded"
+    # Each pod's folder holds a log per run of its container: worker 0's ran once, worker 1 was two pods.
+    pods = {p: sorted(log.name for log in p.glob("*.log")) for p in (root / "cluster" / "pods").iterdir()}
+    assert sorted((p.name.split("_")[1], logs) for p, logs in pods.items()) == [
+        ("evicted-worker-0", ["pytorch-0.log"]),
+        ("evicted-worker-1", ["pytorch-0.log"]),
+        ("evicted-worker-1", ["pytorch-0.log"]),
+    ]

@@ -103,13 +103,13 @@ def test_the_docs_table_lists_every_kind_and_field() -> None:
 @pytest.mark.parametrize("kind", sorted(EVENT_TYPES))
 def test_every_kind_round_trips_through_its_json_record(kind: str) -> None:
     cls = EVENT_TYPES[kind]
-    samples = {int: 3, float: 1.5, str: "x", dict: {"a": 1}}
+    samples = {int: 3, float: 1.5, str: "x", dict: {"a": 1}, list: [1, 2]}
     values = {}
     for f in dataclasses.fields(cls):
         if f.name in ("time", "rank", "host"):
             continue
         base = str(f.type).split(" |")[0].split("[")[0]
-        values[f.name] = samples[{"int": int, "float": float, "str": str, "dict": dict}[base]]
+        values[f.name] = samples[{"int": int, "float": float, "str": str, "dict": dict, "list": list}[base]]
     event = cls(time=12.0, rank=1, **values)
     record = json.loads(json.dumps(to_record(event)))
     assert record["event"] == kind and from_record(record) == event

@@ -22,7 +22,7 @@ import pytest
 from tests.conftest import ROOT, as_unprivileged, assert_nothing_of_the_run_left, losses, tier_of, train
 from trainer.checkpoint import latest_checkpoint, published_checkpoints
 from trainer.emulation.netns import LocalCluster, netns_problem
-from trainer.events import Checkpoint, FaultFired, Restart, Step, read_events, select
+from trainer.events import Checkpoint, FaultFired, NodesPreempted, Restart, RunEnd, Step, read_events, select
 from trainer.faults import Fault, NodeFault, NodeFaultInjector, parse_fault_spec
 
 pytestmark = pytest.mark.slow  # real multi-process jobs
@@ -58,6 +58,14 @@ def recoveries(run: Path) -> list[dict]:
 def test_node_fault_grammar() -> None:
     faults = parse_fault_spec("node-loss@5:1, partition@9:0:12.5, sigkill@3:1", steps=20, world_size=4, nnodes=2)
     assert faults == [NodeFault("node-loss", 5, 1), NodeFault("partition", 9, 0, 12.5), Fault("sigkill", 3, 1)]
+
+
+def test_sigterms_on_several_ranks_may_share_a_step_and_nothing_else_may() -> None:
+    """Preempting several nodes at once (the whole job) is one event, not a race between faults."""
+    assert parse_fault_spec("sigterm@6:0,sigterm@6:1", steps=10, world_size=2) == [Fault("sigterm", 6, 0), Fault("sigterm", 6, 1)]
+    for spec in ("sigterm@6:0,sigkill@6:1", "sigkill@6:0,sigterm@6:1", "sigterm@6/write:0,sigterm@6:1"):
+        with pytest.raises(ValueError, match="one fault per step"):
+            parse_fault_spec(spec, steps=10, world_size=2)
 
 
 @pytest.mark.parametrize(
@@ -314,6 +322,30 @@ def test_node_loss_2x1_recovers_from_the_peer_replica(data_dir: Path, baseline_2
     assert not list(Path("/dev/shm").glob(f"rfsdp-local*/{tier_of(run).name}"))  # the run's folder in any host's memory
     print(f"\nnode loss, local tier + 1 replica: resumed from step {restart.resumed_from_step} ({restart.source}), "
           f"{restart.lost_steps} step(s) redone, {restart.recovery_s:.1f} s")  # fmt: skip
+
+
+@needs_netns
+@pytest.mark.parametrize(("node", "others"), [(1, "wait"), (0, "relaunch")])
+def test_a_preempted_node_checkpoints_and_the_run_goes_on_when_it_is_replaced(
+    data_dir: Path, baseline_2: Path, tmp_path: Path, node: int, others: str
+) -> None:
+    """SIGTERM to one host's launcher (a drained node; the harness restarts it like a pod): every
+    rank checkpoints the step reached, the preempted host's ranks leave with a failure (its pod
+    must not end Succeeded: that completes an elastic job), and the run goes on from that step,
+    exactly. Host 1's peer waits in the rendezvous: its launcher never restarts. Host 0 held the
+    rendezvous store, so host 1's launcher ends and is relaunched with it.
+    """
+    run = tmp_path / "run"
+    netns_train(data_dir, run, 1, "--steps", STEPS, "--fault", f"sigterm@12:{node}")
+    assert losses(run) == losses(baseline_2)
+    events = read_events(run)
+    (left,) = select(events, NodesPreempted)
+    assert (left.nodes, left.nnodes, left.others) == ([node], 2, others) and left.step >= 12
+    (restart,) = select(events, Restart)
+    assert (restart.layer, restart.resumed_from_step, restart.lost_steps) == ("in_job", left.step, 0)
+    assert [e.status for e in select(events, RunEnd)] == ["completed"]
+    launches = [(run / "logs" / f"replica_{n}.log").read_text().count("Starting elastic_operator") for n in (0, 1)]
+    assert launches == ([1, 2] if others == "wait" else [2, 2])
 
 
 @needs_netns

@@ -12,6 +12,12 @@ from typing import Literal
 FATAL_EXIT_CODE = 3
 """A rank's (and ``rfsdp train``'s) exit code for an error no restart can fix. Below 128, so the
 training operator's ``restartPolicy: ExitCode`` treats it as permanent."""
+PREEMPTED_EXIT_CODE = 4
+"""A rank's exit code when its node, and not every node, was asked to stop: non-zero, so its pod
+ends Failed and is replaced (an evicted pod that exits 0 would complete an elastic job)."""
+REJOIN_EXIT_CODE = 5
+"""A rank's exit code when other nodes were asked to stop and its own was not: its launcher
+restarts it into the rendezvous, which waits for their replacements."""
 NON_TRANSIENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
 """OS errors whose cause is outside the job (a full disk, a read-only or forbidden path)."""
 TRANSIENT_ERRNOS = frozenset({

@@ -39,7 +39,7 @@ RANK_KINDS = {
     "sigkill": "the rank is killed (in-job restart)",
     "hang": "the rank blocks inside C (hang detection, in-job restart)",
     "exit": f"the rank exits with code {EXIT_CODE} (in-job restart)",
-    "sigterm": "the rank's container is preempted (every rank checkpoints and exits 0)",
+    "sigterm": "the rank's container is preempted (every rank checkpoints; the run ends when every node is, else goes on)",
     "corrupt-event": "the rank appends a torn line (no newline, not UTF-8) to events.jsonl (skipped and reported)",
     "enospc": "the rank's next write fails: disk full (the job ends with a fatal event)",
     "corrupt-local": "the rank flips a byte of its newest local snapshot, then raises (in-process restart skips that snapshot)",
@@ -119,7 +119,10 @@ def parse_fault_spec(spec: str, *, steps: int, world_size: int, nnodes: int | No
             raise ParameterError("fault", f"unknown kind {kind!r} in {item!r} (known: {', '.join(FAULT_KINDS)})")
         if not 1 <= step <= steps:
             raise ParameterError("fault", f"step {step} in {item!r} is outside the run (1..{steps})")
-        if step in at_step:  # which fault a recovery answers would be a race
+        # Which fault a recovery answers would be a race; sigterms on several ranks at once
+        # preempt their nodes together (the whole job, when they cover every node), which ends no race.
+        together = kind == "sigterm" and not phase and at_step.get(step, "").startswith("sigterm@") and "/" not in at_step[step]
+        if step in at_step and not together:
             raise ParameterError("fault", f"{at_step[step]} and {item} are both at step {step}: one fault per step")
         at_step[step] = item
         if phase and (kind not in RANK_KINDS or phase not in SAVE_PHASES):

@@ -8,8 +8,9 @@ a secret to files), the pod's name as hostname, the job's service names resolvab
 one job in one network namespace of its own. It restarts a container per the pod's
 ``restartPolicy`` (Always, OnFailure) after the kubelet's crash-loop back-off, records exit codes
 (a signal ``N`` is ``128+N``) and restart counts, and deletes a pod gracefully: SIGTERM to the
-container's process, SIGKILL to everything left after ``terminationGracePeriodSeconds``, then the
-pod is gone. It records the kubelet's Events (Pulled, Created, Started, BackOff, Killing,
+container's process, SIGKILL to everything left after ``terminationGracePeriodSeconds``; the pod
+then shows its terminal phase (Succeeded for exit code 0, else Failed, as Kubernetes 1.27+ does)
+for one sync of the controllers, and is gone. It records the kubelet's Events (Pulled, Created, Started, BackOff, Killing,
 FailedMount) and the scheduler's (Scheduled, FailedScheduling).
 """
 
@@ -46,6 +47,8 @@ class _Container:
     log_file: IO[bytes] | None = None
     restart_at: float = 0.0
     kill_at: float | None = None
+    terminal: bool = False
+    """A deleted pod's container has ended and the pod shows its terminal phase."""
 
 
 class Kubelet:
@@ -143,9 +146,15 @@ class Kubelet:
                 self._event(pod, "Normal", "Killing", f"Stopping container {name}", container=name)
             if alive and time.monotonic() < (state.kill_at or 0):
                 return
-            if state.proc is not None:
+            if state.proc is not None and not state.terminal:
                 _kill_group(state.proc, signal.SIGKILL)  # whatever is left of the container
                 state.proc.wait()
+                # Kubernetes 1.27+: a deleted pod reaches a terminal phase, from its container's
+                # exit code, before it is removed. Controllers see it for one sync: the operator
+                # counts an evicted pod that exited 0 as succeeded, as the training operator does.
+                state.terminal = self._terminate(pod, state.proc.returncode)
+                if state.terminal:
+                    return
             if state.log_file is not None:
                 state.log_file.close()
             self.containers.pop(meta["uid"], None)
@@ -158,18 +167,11 @@ class Kubelet:
             return
         if alive:
             return
-        code = state.proc.returncode
-        code = 128 - code if code < 0 else code  # a signal N reads 128+N, as the runtime reports it
+        code = _exit_code(state.proc.returncode)
         _kill_group(state.proc, signal.SIGKILL)  # the container ends with its main process
         cstatus = status["containerStatuses"][0]
         if cstatus["state"].get("running"):
-            finished = {
-                "exitCode": code,
-                "reason": "Completed" if code == 0 else "Error",
-                "startedAt": cstatus["state"]["running"]["startedAt"],
-            }
-            cstatus["state"] = {"terminated": {**finished, "finishedAt": now_rfc3339()}}
-            cstatus["ready"] = False
+            _record_exit(cstatus, code)
             policy = pod["spec"].get("restartPolicy", "Always")
             if policy == "Always" or (policy == "OnFailure" and code != 0):
                 # The kubelet's crash-loop back-off: 10 s, doubling, at most 5 minutes.
@@ -184,6 +186,17 @@ class Kubelet:
         elif time.monotonic() >= state.restart_at:
             cstatus["restartCount"] += 1
             self._start(pod, state)
+
+    def _terminate(self, pod: dict, returncode: int) -> bool:
+        """Give a deleted pod whose container ran its terminal phase; False if it never ran."""
+        statuses = pod["status"].get("containerStatuses") or []
+        if not statuses or not statuses[0]["state"].get("running"):
+            return False
+        code = _exit_code(returncode)
+        _record_exit(statuses[0], code)
+        pod["status"]["phase"] = "Succeeded" if code == 0 else "Failed"
+        self.store.touch(pod)
+        return True
 
     def _start(self, pod: dict, state: _Container) -> None:
         spec, status = pod["spec"], pod["status"]
@@ -360,6 +373,18 @@ def pod_address(spec: dict, rtype: str, index: int) -> str:
     """A pod's address in its job's network: stable per replica, as its service name is."""
     base = 10 + 10 * sorted(spec["pytorchReplicaSpecs"]).index(rtype)
     return f"127.{base}.{index // 250}.{index % 250 + 1}"
+
+
+def _exit_code(returncode: int) -> int:
+    """A process's exit code as the runtime reports it: a signal N reads 128+N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _record_exit(cstatus: dict, code: int) -> None:
+    """Move a running container's status to terminated with ``code``."""
+    finished = {"exitCode": code, "reason": "Completed" if code == 0 else "Error", "startedAt": cstatus["state"]["running"]["startedAt"]}
+    cstatus["state"] = {"terminated": {**finished, "finishedAt": now_rfc3339()}}
+    cstatus["ready"] = False
 
 
 def exit_code(pod: dict) -> int:

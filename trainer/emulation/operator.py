@@ -211,8 +211,8 @@ class Controllers:
                     counts["active"] += 1
                     continue
                 phase = pod["status"].get("phase", "Pending")
-                if "deletionTimestamp" in pod["metadata"]:
-                    continue  # on its way out (recreated once gone)
+                if "deletionTimestamp" in pod["metadata"] and phase not in ("Succeeded", "Failed"):
+                    continue  # on its way out (recreated once gone); its terminal phase counts, as the real operator counts it
                 if phase == "Failed":
                     code = exit_code(pod)
                     if policy in ("OnFailure", "Always") or (policy == "ExitCode" and code >= 128):

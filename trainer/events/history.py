@@ -20,6 +20,7 @@ from trainer.events.records import (
     Failure,
     Fatal,
     FaultFired,
+    NodesPreempted,
     Restart,
     RunEnd,
     RunStart,
@@ -110,14 +111,15 @@ class RunHistory:
     the last ``restart``'s own incarnation began (its first step, written right before it)."""
     last_step: int | None = None
     """The step of the last ``step`` event."""
-    fault: FaultFired | None = None
-    """The last ``fault`` since the last ``restart`` or ``run_start`` (file order, no clock)."""
+    fault: FaultFired | NodesPreempted | None = None
+    """The last ``fault`` (or ``nodes_preempted``: what the next recovery counts from) since the
+    last ``restart`` or ``run_start`` (file order, no clock)."""
     last_step_time: dict[str, float] = dataclasses.field(default_factory=dict)
     """Host -> the time of its last ``step`` event."""
     last_step_time_before_fault: dict[str, float] = dataclasses.field(default_factory=dict)
     """``last_step_time`` as it was when :attr:`fault` was written."""
 
-    KINDS: ClassVar[tuple[type[Event], ...]] = (Step, FaultFired, Restart, RunStart, RunEnd)
+    KINDS: ClassVar[tuple[type[Event], ...]] = (Step, FaultFired, NodesPreempted, Restart, RunStart, RunEnd)
     """The kinds that change a history: lines of other kinds need not be parsed."""
 
     @classmethod
@@ -134,7 +136,7 @@ class RunHistory:
             self.last_step = event.step
             self.max_step = event.step if self.max_step is None else max(self.max_step, event.step)
             self.last_step_time[event.host] = max(event.time, self.last_step_time.get(event.host, event.time))
-        elif isinstance(event, FaultFired):
+        elif isinstance(event, FaultFired | NodesPreempted):
             self.fault, self.last_step_time_before_fault = event, dict(self.last_step_time)
         elif isinstance(event, Restart | RunStart):
             self.fault = None

@@ -207,6 +207,31 @@ class Restart(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class NodesPreempted(Event):
+    """Some nodes, not all, were asked to stop (a drained node, an evicted pod), written by rank 0
+    once ``step`` is checkpointed. Their ranks leave; the session goes on from ``step`` once
+    their replacements join (a ``restart``, layer ``in_job``). With every node asked, the session
+    ends instead (``run_end`` preempted).
+    """
+
+    KIND: ClassVar[str] = "nodes_preempted"
+    step: int
+    nodes: list[int]
+    """The node ranks (``GROUP_RANK``) asked to stop."""
+    nnodes: int
+    others: str = "wait"
+    """``wait`` in the rendezvous, or ``relaunch``: the rendezvous store went with a node that
+    left, so the others' launchers end too and their supervisor (a pod's ``restartPolicy``)
+    starts them again into the new one."""
+
+    def describe(self) -> str:
+        """One line for a person: which nodes, and what the others do."""
+        which = ", ".join(map(str, self.nodes))
+        then = "wait for the replacement" if self.others == "wait" else "are relaunched with it (it held the rendezvous)"
+        return f"node {which} of {self.nnodes} preempted at step {self.step}, checkpointed: the others {then}"
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunEnd(Event):
     """The end of a session: ``completed``, ``stopped`` (``--stop-at-step``) or ``preempted``
     (SIGTERM: the step reached is checkpointed) by rank 0, or ``failed`` with ``exit_code`` by
@@ -298,7 +323,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
     cls.KIND: cls
     for cls in (
         RunStart, Step, Checkpoint, CheckpointFailed, Mirror, MirrorFailed, MirrorRestore, RunWarning, FaultFired, Failure, Restart, Fatal,
-        RunEnd, SystemSample,
+        NodesPreempted, RunEnd, SystemSample,
     )
 }  # fmt: skip
 E = TypeVar("E", bound=Event)

@@ -59,9 +59,10 @@ from trainer.events import (
 )
 from trainer.faults import FaultInjector
 from trainer.models.spec import ModelSpec
-from trainer.process import die_with_parent, process_start_time
+from trainer.process import die_with_parent, launcher_pid, process_start_time
 from trainer.rank.config import Timeouts, TrainConfig, add_train_arguments, replica_cliques
 from trainer.rank.failures import Failures, check_loss, poison_parameters
+from trainer.rank.preemption import Preemption
 from trainer.rank.resilience import (
     AsyncCheckpointWriter,
     Attempt,
@@ -247,23 +248,6 @@ def train_step(
     dist.all_reduce(total)
     loss_sum, stops = total.tolist()
     return loss_sum / dist.get_world_size(), stops > 0
-
-
-class Preemption:
-    """SIGTERM (eviction, preemption, ``rfsdp train`` stopped) asks this process to stop: the
-    ranks agree on the step, checkpoint it and end the run as ``preempted``. The request
-    outlives in-process restarts.
-    """
-
-    def __init__(self) -> None:
-        self.requested = False
-
-    def install(self) -> None:
-        """Handle SIGTERM from now on (main thread only)."""
-        signal.signal(signal.SIGTERM, self._request)
-
-    def _request(self, signum: int, frame: object) -> None:
-        self.requested = True
 
 
 class ProgressLines:
@@ -466,7 +450,10 @@ def _train(
         local.finish()  # the write in flight: done and agreed on
         if status == "completed":  # a run stopped or preempted may be resumed
             local.remove()
-    if rt.rank == 0:
+    leaving = preemption.settle(ckpt_group, step) if stop else None
+    if rt.rank == 0 and leaving is not None:  # the session goes on once the replacements join
+        events.emit(leaving)
+    elif rt.rank == 0:
         events.emit(RunEnd(status=status, step=step, saved_step=checkpointer.saved_step))
     dist.destroy_process_group()
 
@@ -525,6 +512,9 @@ def main(argv: list[str] | None = None, *, startup: dict[str, float] | None = No
         reason = f"{cfg.checkpoint_uri} may lack the run's last files (see stderr)"
         with contextlib.suppress(OSError):  # a full volume must not fail a finished run
             EventLog(Path(cfg.run_dir), 0).emit(RunWarning(kind="mirror_incomplete", step=last, reason=reason))
+    if preemption.end_launcher:  # it leaves the rendezvous, so the preempted store host can go
+        os.kill(launcher_pid(), signal.SIGTERM)
+    sys.exit(preemption.exit_code)
 
 
 if __name__ == "__main__":  # required: NVRx's checkpoint worker is started with spawn
