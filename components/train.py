@@ -89,12 +89,12 @@ def train(
     params = dict(locals())  # the parameters, taken before anything else is defined here
     import dataclasses
     import json
-    import shutil
     import signal
     from pathlib import Path
 
     from components.runs import TRAIN_STEP, check_training_completed, live_tracking, recorded, run_descriptor, run_root
     from trainer.errors import ParameterError, as_pipeline_parameters
+    from trainer.fsutil import sync_tree
     from trainer.launch.local import BACKENDS, check_model_fits, check_run_dir, hold_run_dir, job_from_parameters, launch_local
 
     def cancelled(signum: int, frame: object) -> None:
@@ -139,7 +139,8 @@ def train(
             with hold_run_dir(Path(cfg.run_dir)):
                 check_run_dir(dataclasses.replace(cfg, data=data.path))
                 with live_tracking(Path(cfg.run_dir), **tracking):
-                    shutil.copytree(data.path, cfg.data, dirs_exist_ok=True)
+                    # A retried step may find its job still training on this data: never truncate a shard it reads.
+                    sync_tree(Path(data.path), Path(cfg.data))
                     run_pytorchjob(job)
         # Both backends: a job that ended (exit 0, or Succeeded) without run_end completed was
         # preempted or stopped, and fails the step with how to resume it.

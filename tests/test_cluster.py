@@ -28,6 +28,7 @@ from kubeflow.training import ApiClient, TrainingClient, models
 from kubernetes import client as k8s
 from kubernetes import config as kube_config
 
+from tests.conftest import ROOT
 from trainer.checkpoint import SIGNING_KEY_ENV, latest_checkpoint, manifest_signature
 from trainer.emulation.apiserver import RBAC_FILE
 from trainer.emulation.cluster import Cluster, cluster_problem, emulated_cluster
@@ -399,9 +400,48 @@ def test_a_rerun_deletes_the_ended_job_of_its_name_and_refuses_a_live_one(cluste
 
     live = as_model(tiny_job("busy"))  # its pod waits for a claim the cluster lacks: it never ends
     step_client(cluster).create_job(job=live, namespace=NS)
-    with pytest.raises(JobFailed, match=f"PyTorchJob {NS}/busy is still running: wait for it to end, or delete it"):
+    with pytest.raises(JobFailed, match=f"PyTorchJob {NS}/busy is still running with another spec: wait for it to end, or delete it"):
         run_pytorchjob(live, training_client=step_client(cluster), poll_s=1, timeout_s=60, log=lines.append)
     assert cluster.stored(PLURAL, NS, "busy") is not None
+
+
+_FIRST_STEP = """
+import json, sys
+from types import SimpleNamespace
+from kubeflow.training import ApiClient, TrainingClient
+from kubernetes import client as k8s, config
+from trainer.launch.k8s import run_pytorchjob
+cfg = k8s.Configuration()
+config.load_kube_config(sys.argv[1], client_configuration=cfg)
+job = ApiClient().deserialize(SimpleNamespace(data=sys.argv[2]), "KubeflowOrgV1PyTorchJob")
+run_pytorchjob(job, training_client=TrainingClient(client_configuration=cfg, namespace=sys.argv[3]), poll_s=1)
+"""
+
+
+@pytest.mark.slow
+def test_a_retried_step_follows_the_job_it_made_instead_of_starting_another(cluster: Cluster) -> None:
+    """The train step's pod dies while its PyTorchJob runs (the process following the job is
+    killed) and KFP retries the step: the new step finds the live job with its own spec and
+    follows it to the end. No AlreadyExists, no second job: one pod, one run of its container.
+    """
+    script = "import time; print('up', flush=True); time.sleep(8); print('done', flush=True)"
+    manifest = tiny_job("retried", script, claim="scratch")
+    _, core = admin(cluster)
+    first = subprocess.Popen([sys.executable, "-c", _FIRST_STEP, str(cluster.kubeconfig), json.dumps(manifest), NS], cwd=ROOT)
+    try:
+        wait_for(lambda: "up" in _log(core, "retried-worker-0"), what="the job's pod to run")
+    finally:
+        first.kill()
+        first.wait()
+    uid = cluster.stored(PLURAL, NS, "retried")["metadata"]["uid"]
+    pod_uid = cluster.stored("pods", NS, "retried-worker-0")["metadata"]["uid"]
+    lines: list[str] = []
+    final = run_pytorchjob(as_model(manifest), training_client=step_client(cluster), poll_s=1, timeout_s=120, log=lines.append)
+    assert conditions(final)[-1] == "Succeeded" and final["metadata"]["uid"] == uid
+    assert lines[0] == f"following PyTorchJob {NS}/retried, which this step created before it was retried", lines
+    pod = cluster.stored("pods", NS, "retried-worker-0")
+    assert pod["metadata"]["uid"] == pod_uid and pod["status"]["containerStatuses"][0]["restartCount"] == 0
+    assert _log(core, "retried-worker-0").split() == ["up", "done"]
 
 
 @pytest.mark.slow

@@ -546,3 +546,22 @@ def test_create_text_makes_one_file_whole_of_several_writers(tmp_path: Path) -> 
     assert not create_text(path, "second")
     assert path.read_text() == "first"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]  # no temporary file left
+
+
+def test_sync_tree_copies_only_what_differs_and_never_truncates_a_file_being_read(tmp_path: Path) -> None:
+    """A retried train step copies the data again while its job may still read it (mapped)."""
+    import mmap
+
+    from trainer.fsutil import sync_tree
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    (src / "shards").mkdir(parents=True)
+    (src / "shards" / "a.bin").write_bytes(b"a" * 4096)
+    (src / "manifest.json").write_text("{}")
+    assert sync_tree(src, dst) == 2 and sync_tree(src, dst) == 0  # a second pass copies nothing
+    with open(dst / "shards" / "a.bin", "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        (src / "shards" / "a.bin").write_bytes(b"b" * 8192)
+        assert sync_tree(src, dst) == 1
+        assert mapped[:] == b"a" * 4096  # the reader's file is whole (a truncation would SIGBUS here)
+    assert (dst / "shards" / "a.bin").read_bytes() == b"b" * 8192
+    assert not [p for p in dst.rglob(".*tmp*")]

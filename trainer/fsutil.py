@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import filecmp
 import hashlib
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -58,3 +60,25 @@ def create_text(path: Path, text: str) -> bool:
         tmp.unlink()
     fsync_dir(path.parent)
     return True
+
+
+def sync_tree(src: Path, dst: Path) -> int:
+    """Copy what ``dst`` lacks of ``src``: each file whose copy is missing or differs (size and
+    modification time, which the copy keeps) goes to a temporary name, then over the old one by
+    rename. A reader of the old file (a worker that mapped a shard) keeps reading it whole, never
+    a truncated one. Returns how many files were copied.
+    """
+    copied = 0
+    for source in sorted(Path(src).rglob("*")):
+        target = Path(dst) / source.relative_to(src)
+        if source.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        if target.exists() and filecmp.cmp(source, target, shallow=True):
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp.{os.getpid()}")
+        shutil.copy2(source, tmp)
+        os.replace(tmp, target)
+        copied += 1
+    return copied

@@ -17,6 +17,8 @@ in ``deploy/rbac.yaml`` grants; ``tests/test_cluster.py`` runs it against the em
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import re
 import threading
@@ -41,6 +43,8 @@ API_VERSION = "kubeflow.org/v1"
 KIND = "PyTorchJob"
 CONTAINER = kf.PYTORCHJOB_CONTAINER  # the webhook requires this container name
 RDZV_PORT_NAME = "pytorchjob-port"  # the operator exposes this named port on each replica's service
+SPEC_ANNOTATION = "resilient-fsdp/spec-sha256"
+"""The job's spec digest (:func:`spec_digest`), set on every job the train step creates."""
 LOG_DRAIN_S = 60.0
 """Seconds a finished job's log stream may take to deliver its last lines to the step's log."""
 _DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -182,7 +186,7 @@ def build_pytorchjob(cfg: TrainConfig, spec: LaunchSpec, opts: ClusterOptions) -
             ],
         ),
     )
-    return models.KubeflowOrgV1PyTorchJob(
+    job = models.KubeflowOrgV1PyTorchJob(
         api_version=API_VERSION,
         kind=KIND,
         metadata=k8s.V1ObjectMeta(name=opts.name, namespace=opts.namespace or None, labels={"app.kubernetes.io/part-of": "resilient-fsdp"}),
@@ -208,6 +212,14 @@ def build_pytorchjob(cfg: TrainConfig, spec: LaunchSpec, opts: ClusterOptions) -
             ),
         ),
     )
+    job.metadata.annotations = {SPEC_ANNOTATION: spec_digest(job)}
+    return job
+
+
+def spec_digest(job: models.KubeflowOrgV1PyTorchJob) -> str:
+    """The sha256 of the job's spec: a retried train step recognises the job it made by it."""
+    spec = json.dumps(to_manifest(job)["spec"], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(spec.encode()).hexdigest()
 
 
 def to_manifest(job: models.KubeflowOrgV1PyTorchJob) -> dict[str, Any]:
@@ -250,9 +262,12 @@ def run_pytorchjob(
     tc = training_client or (TrainingClient(namespace=namespace) if namespace else TrainingClient())
     namespace = namespace or tc.namespace
     done = {kf.JOB_CONDITION_SUCCEEDED, kf.JOB_CONDITION_FAILED}
-    _replace_finished(tc, job, namespace, done, log)
-    tc.create_job(job=job, namespace=namespace)
-    log(f"created {KIND} {namespace}/{name}")
+    job.metadata.annotations = {SPEC_ANNOTATION: spec_digest(job), **(job.metadata.annotations or {})}
+    if _follows_or_replaces(tc, job, namespace, done, log):
+        log(f"following {KIND} {namespace}/{name}, which this step created before it was retried")
+    else:
+        tc.create_job(job=job, namespace=namespace)
+        log(f"created {KIND} {namespace}/{name}")
     follower = threading.Thread(target=_follow_logs, args=(tc, name, namespace, poll_s, done), daemon=True)
     follower.start()
     try:
@@ -279,29 +294,37 @@ def run_pytorchjob(
     return tc.api_client.sanitize_for_serialization(final)
 
 
-def _replace_finished(
+def _follows_or_replaces(
     tc: TrainingClient, job: models.KubeflowOrgV1PyTorchJob, namespace: str, done: set[str], log: Callable[[str], None]
-) -> None:
-    """Delete a finished job of this name, so that a rerun of the training run resumes it: a
-    preempted job ends Succeeded (its ranks exit 0) and is kept until its TTL. A live one is refused.
+) -> bool:
+    """Whether a live job of this name is this one (the same spec: the train step was retried
+    after its pod died, as KFP's retry or a rerun does), to be followed rather than created again.
+    A finished job of this name is deleted, so that a rerun of the training run resumes it: a
+    preempted job ends Succeeded and is kept until its TTL.
 
     Raises:
-        JobFailed: a job of this name is still running.
+        JobFailed: a live job of this name has another spec.
     """
     name = job.metadata.name
     try:
         existing = tc.api_client.sanitize_for_serialization(tc.get_job(name, namespace))
     except RuntimeError as e:
         if isinstance(e.__cause__, ApiException) and e.__cause__.status == 404:
-            return
+            return False
         raise
     ended = [
         c["type"] for c in (existing.get("status") or {}).get("conditions") or [] if c.get("status") == "True" and c.get("type") in done
     ]
     if not ended:
-        raise JobFailed(f"{KIND} {namespace}/{name} is still running: wait for it to end, or delete it, before running {name} again")
+        theirs = (existing["metadata"].get("annotations") or {}).get(SPEC_ANNOTATION)
+        if theirs == job.metadata.annotations[SPEC_ANNOTATION]:
+            return True
+        raise JobFailed(
+            f"{KIND} {namespace}/{name} is still running with another spec: wait for it to end, or delete it, before running {name} again"
+        )
     log(f"deleting the ended {KIND} {namespace}/{name} ({ended[-1]}) before running it again")
     _delete_quietly(tc, job, log)
+    return False
 
 
 def _follow_logs(tc: TrainingClient, name: str, namespace: str, poll_s: float, done: set[str]) -> None:
