@@ -19,9 +19,10 @@ from trainer.checkpoint import CHECKPOINTS, MANIFEST
 from trainer.data.shards import builtin_corpus_text, prepare_tokens
 from trainer.errors import ParameterError
 from trainer.events import MirrorRestore, RunEnd, RunWarning, read_events
-from trainer.launch.local import DATA_IDENTITY, check_launch
+from trainer.launch.local import check_launch
 from trainer.launch.spec import LaunchSpec
 from trainer.rank.config import TrainConfig
+from trainer.rank.identity import DATA_IDENTITY
 from trainer.storage.mirror import CheckpointMirror
 from trainer.storage.store import open_storage
 

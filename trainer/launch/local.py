@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import random
 import shutil
@@ -28,20 +27,18 @@ from typing import IO, Any, Protocol
 
 from trainer.checkpoint import local_tier_dir, local_tier_root
 from trainer.data.prepare import local_data
-from trainer.data.shards import MANIFEST as DATA_MANIFEST
 from trainer.data.shards import DataError, data_vocab, load_manifest, verify_shards
 from trainer.errors import FATAL_EXIT_CODE, ParameterError, as_pipeline_parameters
 from trainer.events import EventLog, RunEnd, Step, fatal_error, read_events
 from trainer.faults import NodeControl, NodeFault, NodeFaultInjector, parse_fault_spec
-from trainer.fsutil import create_text, file_sha256
 from trainer.launch.progress import TrainingProgress
 from trainer.launch.spec import LaunchSpec
 from trainer.models import ModelInfo, check_model, parameter_count
 from trainer.process import die_with_parent, process_start_ticks
-from trainer.rank.config import TRAJECTORY_FIELDS, Timeouts, TrainConfig, replica_cliques
-from trainer.storage.store import StorageError, open_storage
+from trainer.rank.config import Timeouts, TrainConfig, replica_cliques
+from trainer.rank.identity import check_run_dir
+from trainer.storage.store import StorageError
 
-RUN_CONFIG = "config.json"
 DEFAULT_RDZV_PORT = 29400
 BACKENDS = ("local", "kubernetes")
 """Where the train step runs the worker command: local processes or a PyTorchJob."""
@@ -192,86 +189,6 @@ def _existing_parent(path: Path) -> Path:
     while not path.exists():
         path = path.parent
     return path
-
-
-DATA_IDENTITY = "data_manifest_sha256"
-"""Key of the data set's identity (the SHA-256 of its manifest) in a run's recorded config."""
-
-
-def run_identity(cfg: TrainConfig) -> dict[str, Any]:
-    """What one run is: its trajectory config (``TRAJECTORY_FIELDS``) and the SHA-256 of its data
-    set's manifest (None while the data set is not in place yet, e.g. before a cluster step copies it).
-    """
-    ident: dict[str, Any] = {k: getattr(cfg, k) for k in TRAJECTORY_FIELDS}
-    try:
-        manifest = local_data(cfg.data, Path(cfg.run_dir)) / DATA_MANIFEST
-    except StorageError:
-        manifest = None
-    ident[DATA_IDENTITY] = file_sha256(manifest) if manifest is not None and manifest.is_file() else None
-    return ident
-
-
-def check_run_dir(cfg: TrainConfig) -> None:
-    """Check, then record, the run's identity (:func:`run_identity`) in the run dir's ``config.json``
-    and, with a ``checkpoint_uri``, at the mirror location (its ``config.json``): before any
-    process or pod starts, on every backend (``launch_local`` through ``check_launch``; the
-    kubernetes train step before it submits the PyTorchJob). A location that records another
-    identity is refused, naming what differs, and nothing is written anywhere; one that records
-    none gets this run's. So a rerun with another config, or another run (other data included)
-    on the same mirror location, is refused before its first step.
-
-    Raises:
-        ParameterError: naming ``run_dir`` or ``checkpoint_uri``.
-    """
-    ident = run_identity(cfg)
-    path = Path(cfg.run_dir) / RUN_CONFIG
-    local = _read_identity(path) if path.exists() else None
-    if local is not None and (detail := _other_identity(local, ident)):
-        raise ParameterError("run_dir", f"{cfg.run_dir} belongs to another training config ({detail})")
-    store = remote = None
-    if cfg.checkpoint_uri:
-        try:
-            store = open_storage(cfg.checkpoint_uri)
-            store.check()
-            remote = json.loads(store.read_bytes(RUN_CONFIG)) if store.stat(RUN_CONFIG) is not None else None
-        except (StorageError, json.JSONDecodeError) as e:
-            raise ParameterError("checkpoint_uri", str(e)) from e
-        if not isinstance(remote, dict | None):
-            raise ParameterError("checkpoint_uri", f"{store.url(RUN_CONFIG)} is not a run's config")
-        if remote is not None and (detail := _other_identity(remote, ident)):
-            raise ParameterError("checkpoint_uri", f"{cfg.checkpoint_uri} mirrors another run ({detail})")
-    record = json.dumps(ident, indent=2)
-    if local is None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Of two launches racing here, the first records its identity; the other is refused.
-        if not create_text(path, record) and (detail := _other_identity(_read_identity(path), ident)):
-            raise ParameterError("run_dir", f"{cfg.run_dir} belongs to another training config ({detail})")
-    if store is not None and remote is None:
-        try:
-            store.write_bytes(RUN_CONFIG, record.encode())
-        except StorageError as e:
-            raise ParameterError("checkpoint_uri", str(e)) from e
-
-
-def _read_identity(path: Path) -> dict:
-    try:
-        saved = json.loads(path.read_bytes())
-    except (OSError, ValueError) as e:
-        raise ParameterError("run_dir", f"{path} is not a run's config ({e})") from None
-    if not isinstance(saved, dict):
-        raise ParameterError("run_dir", f"{path} is not a run's config")
-    return saved
-
-
-def _other_identity(saved: dict, ident: dict) -> str:
-    """How a recorded identity differs from ``ident`` ("" when it is the same; a data identity
-    recorded by neither side, or by an older version, is not compared).
-    """
-    differ = [f"{k}: {saved.get(k)!r} there, {ident[k]!r} now" for k in TRAJECTORY_FIELDS if saved.get(k) != ident[k]]
-    theirs, mine = saved.get(DATA_IDENTITY), ident[DATA_IDENTITY]
-    if theirs is not None and mine is not None and theirs != mine:
-        differ.append(f"data: manifest sha256 {str(theirs)[:12]}... there, {mine[:12]}... now")
-    return ", ".join(differ)
 
 
 RUN_DIR_LOCK = ".lock"

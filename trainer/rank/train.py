@@ -41,7 +41,7 @@ from trainer.checkpoint import (
 )
 from trainer.data.prepare import local_data
 from trainer.data.shards import TokenLoader, load_split
-from trainer.errors import FATAL_EXIT_CODE, non_transient_cause
+from trainer.errors import FATAL_EXIT_CODE, ParameterError, non_transient_cause
 from trainer.events import (
     EventLog,
     Fatal,
@@ -62,6 +62,7 @@ from trainer.models.spec import ModelSpec
 from trainer.process import die_with_parent, launcher_pid, process_start_time
 from trainer.rank.config import Timeouts, TrainConfig, add_train_arguments, replica_cliques
 from trainer.rank.failures import Failures, check_loss, poison_parameters
+from trainer.rank.identity import check_run_dir
 from trainer.rank.preemption import Preemption
 from trainer.rank.resilience import (
     AsyncCheckpointWriter,
@@ -477,6 +478,14 @@ def main(argv: list[str] | None = None, *, startup: dict[str, float] | None = No
     launcher_started = launcher_started or process_start_time(os.getppid())
     startup = {"launcher_started": launcher_started} | (startup or {"process_started": process_start_time(), "imports_done": IMPORTED_AT})
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    # A PyTorchJob applied with kubectl has no launcher of ours in front of it to make the run dir
+    # and check, then record, the run's identity: rank 0 does it (again, for one that had).
+    Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+    if os.environ.get("RANK", "0") == "0":
+        try:
+            check_run_dir(cfg)
+        except ParameterError as e:
+            end_job_fatally(Path(cfg.run_dir), e)
     if restarted and (fatal := fatal_error(read_events(Path(cfg.run_dir), [Fatal]), _job_id(), since=launcher_started)):
         print(f"rank {os.environ.get('RANK')}: not restarting, the job met an error no restart can fix: {fatal.error}", file=sys.stderr)
         sys.exit(FATAL_EXIT_CODE)

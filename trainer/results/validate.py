@@ -58,10 +58,11 @@ from trainer.checkpoint import (
 from trainer.data.prepare import local_data
 from trainer.data.shards import DataError, TokenLoader, load_manifest, load_split, verify_shards
 from trainer.events import RunStart, final_losses, read_events, select
-from trainer.launch.local import RUN_CONFIG, launch_local
+from trainer.launch.local import launch_local
 from trainer.launch.spec import LaunchSpec
 from trainer.models.spec import ModelSpec
 from trainer.rank.config import TrainConfig
+from trainer.rank.identity import RUN_CONFIG
 from trainer.rank.runtime import build_unsharded
 from trainer.results.states import differences, load_resharded, tensors
 from trainer.storage.store import StorageError
