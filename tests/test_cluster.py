@@ -357,6 +357,10 @@ def test_the_step_creates_follows_cancels_and_uses_exactly_the_roles_verbs(clust
     assert cluster.stored(PLURAL, NS, "cancelled") is None and cluster.stored("pods", NS, "cancelled-worker-0") is None
     log = next((Path(cluster.kubeconfig).parent / "pods").glob(f"{NS}_cancelled-worker-0_*/pytorch-0.log")).read_text()
     assert log.splitlines() == ["up", "terminating"]  # stopped by SIGTERM within its grace period, not killed
+    # A failed job: the step reads its events too.
+    failing = as_model(tiny_job("failed", "import sys; sys.exit(2)", claim="scratch", restart_policy="Never"))
+    with pytest.raises(JobFailed):
+        run_pytorchjob(failing, training_client=tc, poll_s=1, timeout_s=60, log=lambda s: None)
     step = [a for a in cluster.audit[start:] if a.user == cluster.service_account]
     assert all(a.code < 400 or (a.verb, a.code) == ("get", 404) for a in step), step
     used = {(a.verb, a.resource) for a in step}
@@ -378,7 +382,12 @@ def test_the_step_fails_with_the_jobs_reason_and_deletes_the_failed_job(cluster:
     assert cluster.stored(PLURAL, NS, "broken") is None
     assert [p for p in (cluster.stored("pods", NS, f"broken-worker-{i}") for i in range(2)) if p] == []
     # Each worker's log (its text depends on when the kubelet restarted the container again).
-    assert [line.splitlines()[0] for line in lines if line.startswith("---")] == [f"--- broken-worker-{i} (last lines)" for i in range(2)]
+    headers = [line.splitlines()[0] for line in lines if line.startswith("---")]
+    assert headers[:2] == [f"--- broken-worker-{i} (last lines)" for i in range(2)]
+    assert re.fullmatch(rf"--- events of PyTorchJob {NS}/broken \(latest \d+\)", headers[2]), headers
+    events = next(line for line in lines if line.startswith("--- events")).splitlines()[1:]
+    assert any("BackOff" in e and "pod/broken-worker-" in e for e in events), events  # the kubelet's
+    assert any("PyTorchJobFailed" in e and "pytorchjob/broken" in e for e in events), events  # the operator's
     assert lines[-1] == f"deleted PyTorchJob {NS}/broken"
 
 
@@ -454,8 +463,12 @@ def test_a_job_deleted_by_someone_else_fails_the_step(cluster: Cluster) -> None:
 
     threading.Thread(target=delete_once_up, daemon=True).start()
     job = as_model(tiny_job("vanishing", "import time; print('up', flush=True); time.sleep(600)", claim="scratch"))
-    with pytest.raises(JobFailed, match="could not be followed to completion: Failed to get PyTorchJob"):
-        run_pytorchjob(job, training_client=step_client(cluster), poll_s=1, timeout_s=60, log=lambda s: None)
+    lines: list[str] = []
+    with pytest.raises(JobFailed, match=f"^PyTorchJob {NS}/vanishing was deleted while it ran \\(its events are above\\)$"):
+        run_pytorchjob(job, training_client=step_client(cluster), poll_s=1, timeout_s=60, log=lines.append)
+    events = next(line for line in lines if line.startswith(f"--- events of PyTorchJob {NS}/vanishing")).splitlines()[1:]
+    assert any("SuccessfulCreatePod" in e for e in events) and any("Started" in e and "pod/vanishing-worker-0" in e for e in events)
+    assert not any(line.startswith("could not delete") for line in lines), lines  # gone already: nothing to delete
     wait_for(lambda: cluster.stored("pods", NS, "vanishing-worker-0") is None, what="the garbage collector to delete its pod")
 
 

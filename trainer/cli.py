@@ -226,6 +226,39 @@ def _pipeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cluster(args: argparse.Namespace) -> int:
+    """``rfsdp cluster up``: the emulated cluster on its own, until Ctrl-C (or SIGTERM)."""
+    import os
+    import threading
+
+    from trainer.emulation.cluster import cluster_problem, emulated_cluster
+    from trainer.launch import CREDENTIAL_SECRETS, WORKSPACE_MOUNT
+
+    if problem := cluster_problem():
+        print(f"rfsdp cluster: the emulated cluster {problem}", file=sys.stderr)
+        return 2
+    root = Path(args.root).resolve()
+    workspace = root / "workspace"
+    workspace.mkdir(parents=True, exist_ok=True)
+    # Its secrets hold this environment's credentials, as run-local's cluster does: the workers see the same ones.
+    secrets = {name: {k: os.environ[k] for k in keys if k in os.environ} for name, keys in CREDENTIAL_SECRETS.items()}
+    secrets = {name: data for name, data in secrets.items() if data}
+    with emulated_cluster(root / "state", namespace=args.namespace, claims={args.pvc_name: workspace}, secrets_data=secrets) as c:
+        print(f"emulated cluster at {c.url}, namespace {c.namespace} (deploy/rbac.yaml applied)")
+        print(f"  export KUBECONFIG={c.admin_kubeconfig}    # an admin; the train step's own: {c.kubeconfig}")
+        print(f"  claim {args.pvc_name} (mounted at {WORKSPACE_MOUNT}) is {workspace}")
+        print("try:")
+        print(f"  rfsdp prepare-data --out {workspace}/demo/data")
+        print("  rfsdp pipeline manifest --set training_run=demo --set nnodes=2 --set nproc_per_node=1 | kubectl apply -f -")
+        print("  kubectl get pytorchjobs,pods -w        # kubectl logs -f demo-worker-0, kubectl describe pytorchjob demo")
+        print("Ctrl-C stops the cluster and every pod.", flush=True)
+        try:
+            threading.Event().wait()
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (Terminated)
+            print("stopping the cluster and its pods", flush=True)
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from bench.runner import BENCHMARKS, run_benchmarks
     from bench.soak import check_ckpts_per_fault, check_fault_every
@@ -385,6 +418,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_parameter_options(a)
     p.set_defaults(func=_pipeline)
+
+    p = sub.add_parser(
+        "cluster",
+        help="the emulated Kubernetes cluster on its own (root): kubectl, the RBAC and `rfsdp pipeline manifest` work against it",
+        epilog="example: sudo rfsdp cluster up --root work/cluster   (then: export KUBECONFIG=work/cluster/state/admin.kubeconfig)",
+    )
+    p.add_argument("action", choices=["up"], help="up: start it and keep it up until Ctrl-C")
+    p.add_argument("--root", default="work/cluster", help="its folder: state/ (kubeconfigs, pod logs), workspace/ (the shared volume)")
+    p.add_argument("--namespace", default="default", help="where deploy/rbac.yaml is applied and the kubeconfigs point")
+    p.add_argument("--pvc-name", default="rfsdp-workspace", help="the claim the workspace folder stands for (the pipeline's pvc_name)")
+    p.set_defaults(func=_cluster)
 
     p = sub.add_parser("bench", help="benchmarks against the alternatives (torch.save, dcp.async_save, torchrun restarts)")
     p.add_argument("which", choices=["checkpoint", "recovery", "overhead", "goodput", "soak", "load", "all"], help="which benchmark to run")

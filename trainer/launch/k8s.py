@@ -275,6 +275,9 @@ def run_pytorchjob(
             name, namespace, expected_conditions=done, wait_timeout=max(int(timeout_s), 1), polling_interval=max(int(poll_s), 1)
         )
     except BaseException as e:  # cancelled, timed out, or the job vanished: leave nothing behind
+        if isinstance(e, RuntimeError) and isinstance(e.__cause__, ApiException) and e.__cause__.status == 404:
+            _print_events(tc, name, namespace, log)  # events outlive the job: who stopped it and when
+            raise JobFailed(f"{KIND} {namespace}/{name} was deleted while it ran (its events are above)") from e
         _delete_quietly(tc, job, log)
         if isinstance(e, KeyboardInterrupt | SystemExit):
             raise
@@ -286,6 +289,7 @@ def run_pytorchjob(
     if not any(c.get("type") == kf.JOB_CONDITION_SUCCEEDED for c in conditions):
         failed = next((c for c in reversed(conditions) if c.get("type") == kf.JOB_CONDITION_FAILED), {})
         _print_last_lines(tc, name, namespace, log)  # deleting the job deletes its pods' logs
+        _print_events(tc, name, namespace, log)
         _delete_quietly(tc, job, log)
         raise JobFailed(
             f"{KIND} {namespace}/{name} failed: {failed.get('reason', 'unknown reason')}: {failed.get('message', '')}".rstrip(": ")
@@ -335,7 +339,7 @@ def _follow_logs(tc: TrainingClient, name: str, namespace: str, poll_s: float, d
         )
         tc.get_job_logs(name, namespace, is_master=False, replica_type="worker", replica_index=0, follow=True)
     except Exception as e:  # noqa: BLE001 (logs are a convenience; the status poll decides)
-        print(f"(log stream of {name} ended: {e})")
+        print(f"(log stream of {name} ended: {str(e).splitlines()[0] if str(e) else type(e).__name__})")
 
 
 def _print_last_lines(tc: TrainingClient, name: str, namespace: str, log: Callable[[str], None], lines: int = 30) -> None:
@@ -347,6 +351,25 @@ def _print_last_lines(tc: TrainingClient, name: str, namespace: str, log: Callab
         return
     for pod, text in sorted(logs.items()):
         log(f"--- {pod} (last lines)\n" + "\n".join(text.splitlines()[-lines:]))
+
+
+def _print_events(tc: TrainingClient, name: str, namespace: str, log: Callable[[str], None], lines: int = 20) -> None:
+    """The job's and its pods' latest events, oldest first, as ``kubectl describe`` shows them
+    (best effort: a missing event must not hide the job's failure). Events outlive the job.
+    """
+    try:
+        items = tc.core_api.list_namespaced_event(namespace).items
+    except Exception as e:  # noqa: BLE001
+        log(f"(could not read the events of {name}: {e})")
+        return
+    ours = [e for e in items if e.involved_object.name == name or e.involved_object.name.startswith(f"{name}-worker-")]
+
+    def when(e: k8s.CoreV1Event) -> tuple[str, int]:  # all UTC: text order is time order; then the order written
+        return str(e.last_timestamp or e.event_time or e.metadata.creation_timestamp or ""), int(e.metadata.resource_version or 0)
+
+    ours.sort(key=when)
+    rows = [f"{e.type:<8} {e.reason:<22} {e.involved_object.kind.lower()}/{e.involved_object.name}: {e.message}" for e in ours[-lines:]]
+    log(f"--- events of {KIND} {namespace}/{name} (latest {len(rows)})\n" + "\n".join(rows))
 
 
 def _delete_quietly(tc: TrainingClient, job: models.KubeflowOrgV1PyTorchJob, log: Callable[[str], None]) -> None:
