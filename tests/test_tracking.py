@@ -367,3 +367,17 @@ def test_credentials_in_the_tracking_uri_are_shown_nowhere(
     assert redact_uri(f"https://mlflow/p?token={secret}&experiment=a%20b") == "https://mlflow/p?token=***&experiment=a%20b"
     assert redact_uri(f"https://{secret}@mlflow:443/") == "https://mlflow:443/"
     assert redact_uri("sqlite:////mnt/rfsdp/mlflow.db") == "sqlite:////mnt/rfsdp/mlflow.db"
+
+
+def test_a_run_is_findable_by_its_tag_from_the_request_that_creates_it(tmp_path: Path) -> None:
+    """An outage right after a run is created must not leave it unfindable: the next attempt would
+    create a second run and leave the first RUNNING for ever. The tag comes with the creation."""
+    from trainer.results.tracking.runs import _client, find_or_create_run
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = _client(uri)
+    run_id, found = find_or_create_run(client, uri, "exp", "rfsdp.run_key", "abc", run_name="r")
+    assert found is None  # created, and nothing else asked of the server since
+    again, found = find_or_create_run(client, uri, "exp", "rfsdp.run_key", "abc", run_name="r")
+    assert again == run_id and found is not None and found.data.tags["rfsdp.run_key"] == "abc"
+    assert len(client.search_runs([client.get_experiment_by_name("exp").experiment_id])) == 1

@@ -340,8 +340,9 @@ def find_or_create_run(
     client: MlflowClient, uri: str, experiment: str, tag: str, value: str, *, run_name: str, start_time: int | None = None
 ) -> tuple[str, Run | None]:
     """The run of ``experiment`` (created when missing) tagged ``tag`` = ``value``, else a new one
-    named ``run_name`` that starts at ``start_time`` (ms; default: now). The new run does not carry
-    the tag yet: the caller sets it with the run's other tags.
+    named ``run_name`` that starts at ``start_time`` (ms; default: now). The new run carries the tag
+    from its creation, in the same request: an outage before the caller's next request cannot leave
+    a run that the next attempt fails to find (and duplicates).
 
     Returns:
         The run id, and the run found (``None`` when it was created).
@@ -350,7 +351,7 @@ def find_or_create_run(
     found = client.search_runs([experiment_id], filter_string=f"tags.`{tag}` = '{value}'", max_results=1)
     if found:
         return found[0].info.run_id, found[0]
-    return client.create_run(experiment_id, start_time=start_time, run_name=run_name).info.run_id, None
+    return client.create_run(experiment_id, start_time=start_time, tags={tag: value}, run_name=run_name).info.run_id, None
 
 
 def log_points(client: MlflowClient, run_id: str, points: list[tuple[str, float, int, int]]) -> None:
