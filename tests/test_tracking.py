@@ -381,3 +381,35 @@ def test_a_run_is_findable_by_its_tag_from_the_request_that_creates_it(tmp_path:
     again, found = find_or_create_run(client, uri, "exp", "rfsdp.run_key", "abc", run_name="r")
     assert again == run_id and found is not None and found.data.tags["rfsdp.run_key"] == "abc"
     assert len(client.search_runs([client.get_experiment_by_name("exp").experiment_id])) == 1
+
+
+def test_under_kubeflows_own_mlflow_run_the_training_run_is_nested_in_it(
+    faulty_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KFP's MLflow integration gives each pipeline run a parent run and each task a nested one,
+    named to the task by ``MLFLOW_RUN_ID``. The training run goes under the pipeline's run, in its
+    experiment; the exit handler (another task, another nested run) finds the same run again.
+    Without ``MLFLOW_RUN_ID``, or with one this store lacks, nothing changes."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    kfp = client.create_experiment("kfp-experiment")
+    pipeline = client.create_run(kfp, run_name="pipeline-run").info.run_id
+    train_task, exit_task = (
+        client.create_run(kfp, run_name=n, tags={"mlflow.parentRunId": pipeline}).info.run_id for n in ("train", "exit-handler")
+    )
+    monkeypatch.setenv("MLFLOW_RUN_ID", train_task)
+    run_id = log_run(faulty_run, tracking_uri=uri)
+    logged = client.get_run(run_id)
+    assert logged.data.tags["mlflow.parentRunId"] == pipeline and logged.info.experiment_id == kfp
+    monkeypatch.setenv("MLFLOW_RUN_ID", exit_task)
+    assert log_run(faulty_run, tracking_uri=uri) == run_id
+    assert len(client.search_runs([kfp], filter_string="tags.`mlflow.parentRunId` = '" + pipeline + "'")) == 3
+
+    elsewhere = f"sqlite:///{tmp_path / 'other.db'}"  # a store that does not hold that run: logged beside
+    beside = MlflowClient(tracking_uri=elsewhere).get_run(log_run(faulty_run, tracking_uri=elsewhere))
+    assert "mlflow.parentRunId" not in beside.data.tags
+    monkeypatch.delenv("MLFLOW_RUN_ID")
+    plain = f"sqlite:///{tmp_path / 'plain.db'}"
+    alone = MlflowClient(tracking_uri=plain).get_run(log_run(faulty_run, tracking_uri=plain))
+    assert "mlflow.parentRunId" not in alone.data.tags
+    assert MlflowClient(tracking_uri=plain).get_experiment(alone.info.experiment_id).name == "resilient-fsdp"

@@ -336,22 +336,49 @@ def _experiment_id(client: MlflowClient, uri: str, name: str) -> str:
         return existing.experiment_id
 
 
+PARENT_RUN_TAG = "mlflow.parentRunId"
+"""MLflow's own tag of a nested run."""
+
+
 def find_or_create_run(
     client: MlflowClient, uri: str, experiment: str, tag: str, value: str, *, run_name: str, start_time: int | None = None
 ) -> tuple[str, Run | None]:
     """The run of ``experiment`` (created when missing) tagged ``tag`` = ``value``, else a new one
     named ``run_name`` that starts at ``start_time`` (ms; default: now). The new run carries the tag
     from its creation, in the same request: an outage before the caller's next request cannot leave
-    a run that the next attempt fails to find (and duplicates).
+    a run that the next attempt fails to find (and duplicates). Where the environment names an
+    MLflow run (:func:`_parent_run`), the run is searched and made under it, in its experiment.
 
     Returns:
         The run id, and the run found (``None`` when it was created).
     """
-    experiment_id = _experiment_id(client, uri, experiment)
+    parent = _parent_run(client)
+    experiment_id = parent.info.experiment_id if parent is not None else _experiment_id(client, uri, experiment)
     found = client.search_runs([experiment_id], filter_string=f"tags.`{tag}` = '{value}'", max_results=1)
     if found:
         return found[0].info.run_id, found[0]
-    return client.create_run(experiment_id, start_time=start_time, tags={tag: value}, run_name=run_name).info.run_id, None
+    tags = {tag: value, **({PARENT_RUN_TAG: parent.info.run_id} if parent is not None else {})}
+    return client.create_run(experiment_id, start_time=start_time, tags=tags, run_name=run_name).info.run_id, None
+
+
+def _parent_run(client: MlflowClient) -> Run | None:
+    """The run to log under when the environment names one (``MLFLOW_RUN_ID``, MLflow's active
+    run; Kubeflow Pipelines' MLflow integration sets it to each task's nested run): that run's
+    own parent when it has one, so that every step of a KFP run nests under the pipeline run's
+    MLflow run, in its experiment. None (log beside, in ``experiment``) when no run is named or
+    this store does not hold it.
+    """
+    from mlflow.exceptions import MlflowException
+
+    run_id = os.environ.get("MLFLOW_RUN_ID")
+    if not run_id:
+        return None
+    try:
+        run = client.get_run(run_id)
+        above = run.data.tags.get(PARENT_RUN_TAG)
+        return client.get_run(above) if above else run
+    except MlflowException:
+        return None
 
 
 def log_points(client: MlflowClient, run_id: str, points: list[tuple[str, float, int, int]]) -> None:
