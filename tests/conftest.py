@@ -26,6 +26,18 @@ from trainer.rank.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+# The folder is the tier: tests/unit starts no process (`make check`), tests/integration runs real
+# processes (jobs, CLI subprocesses, servers), tests/e2e whole pipelines and emulated clusters.
+TIER_MARKS = {"integration": ("slow",), "e2e": ("slow", "e2e")}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test by its folder (``-m "not slow"``, ``-m e2e`` select by tier)."""
+    tests = ROOT / "tests"
+    for item in items:
+        if item.path.is_relative_to(tests):
+            for mark in TIER_MARKS.get(item.path.relative_to(tests).parts[0], ()):
+                item.add_marker(mark)
 
 
 def as_unprivileged(command: list[str]) -> list[str]:

@@ -1,0 +1,30 @@
+"""Pre-warmed workers (trainer.launch.zygote): a request carries no secret. Real jobs whose
+restarted ranks are forks of the node's zygote: tests/integration/test_zygote_runs.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+from trainer.launch.worker import request_of
+from trainer.launch.zygote import Request, rank_environment
+
+
+def test_a_request_carries_no_secret_and_the_rank_gets_them_from_the_zygote() -> None:
+    """The zygote was started from the same launcher's environment, so a request names the
+    secrets it withholds and the rank takes their values from the zygote's own.
+    """
+    env = {
+        "RANK": "1",
+        "AWS_SECRET_ACCESS_KEY": "a",
+        "RFSDP_CHECKPOINT_KEY": "b",
+        "MLFLOW_TRACKING_PASSWORD": "c",
+        "AWS_SESSION_TOKEN": "d",
+    }
+    request = request_of(["--steps", "3"], env)
+    assert request["env"] == {"RANK": "1"}
+    assert request["withheld"] == ["AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "MLFLOW_TRACKING_PASSWORD", "RFSDP_CHECKPOINT_KEY"]
+    assert "a" not in json.dumps(request["env"])
+    zygote_env = {**env, "RANK": "0", "UNRELATED_KEY": "z"}
+    req = Request(request["argv"], request["env"], request["withheld"], "/", 1, 0.0, [])
+    assert rank_environment(req, zygote_env) == env  # the client's RANK; the zygote's other secrets stay out
