@@ -11,13 +11,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import pytest
 from mlflow import MlflowClient
 
 from tests.conftest import ROOT, MlflowServer
 from trainer.events import RunEnd, Step, final_losses, read_events
-
-pytestmark = pytest.mark.slow
 
 OUTAGE_S = float(os.environ.get("RFSDP_TEST_OUTAGE_S", "30"))
 """How long the server stays down (the issue's scenario says a minute; ``RFSDP_TEST_OUTAGE_S=60``

@@ -33,8 +33,6 @@ from trainer.results.tracking import (
     run_url,
 )
 
-pytestmark = pytest.mark.slow
-
 SPEC = "exception@12:1,sigkill@22:0"
 
 
