@@ -10,7 +10,7 @@ ENV PYTHONUNBUFFERED=1 \
 WORKDIR /opt/resilient-fsdp
 
 # The unprivileged user every step and worker runs as; trainer.launch.IMAGE_UID / IMAGE_GID hold the
-# same ids for the pods' securityContext (tests/test_image.py checks they agree).
+# same ids for the pods' securityContext (tests/integration/test_image.py checks they agree).
 RUN groupadd --gid 1000 rfsdp && useradd --uid 1000 --gid 1000 --create-home --shell /usr/sbin/nologin rfsdp
 
 # torch first and pinned: on Linux x86_64 this wheel is the CUDA build (NCCL included), the same

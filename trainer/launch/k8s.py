@@ -11,7 +11,7 @@ the data and the run dir, GPUs and resources, and a memory-backed ``/dev/shm``.
 Succeeded or Failed, deletes the job when it failed (after printing its workers' last log lines)
 or the caller is cancelled (and waits until its pods have stopped), and raises ``JobFailed`` with
 the job's own reason. Every call it makes is one the Role
-in ``deploy/rbac.yaml`` grants; ``tests/test_cluster.py`` runs it against the emulated cluster
+in ``deploy/rbac.yaml`` grants; ``tests/e2e/test_cluster.py`` runs it against the emulated cluster
 (``trainer.emulation.cluster``).
 """
 

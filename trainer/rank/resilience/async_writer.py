@@ -3,10 +3,10 @@
 A compatibility layer over NVRx internals, checked against nvidia-resiliency-ext 0.4.1
 (:data:`NVRX_CHECKED`). :func:`check_nvrx_internals` refuses an NVRx whose worker loop or shard
 writer no longer takes what is passed here, as the writer is made (the worker would otherwise
-die in the background, every save failing for want of an outcome); tests/test_units.py pins
+die in the background, every save failing for want of an outcome); tests/integration/test_units_runs.py pins
 the rest.
 
-NVRx internals used here (nvidia-resiliency-ext 0.4.1), pinned by tests/test_units.py:
+NVRx internals used here (nvidia-resiliency-ext 0.4.1), pinned by tests/integration/test_units_runs.py:
 - ``PersistentAsyncCaller``'s ``process``, ``queue``, ``preload_q`` and ``comp_q`` attributes and its
   worker loop ``async_loop(rank, queue, preload_q, comp_q, log_level)``: to start the worker
   ourselves (NVRx always spawns it; on CPU it is forked here), to respawn a dead one, to stop it

@@ -3,7 +3,7 @@
 NVRx 0.4.1's LocalCheckpointManager, adapted for CPU/gloo and for two snapshots per rank. What is
 used of it: the per-rank folder and file names, the write to a ``.dirty`` file renamed when
 complete, the save with the garbage collector off (``_save_fn``) and the load path (``_load_fn``).
-What is not, and why (pinned by tests/test_local_tier.py):
+What is not, and why (pinned by tests/unit/test_local_tier.py):
 - ``save()`` / ``find_latest()``: their barrier and all-gather run on the default group (a
   ``GroupWrapper()`` without a group), the one FSDP uses; here every collective is on the
   checkpoint groups. ``save()`` also keeps only the newest snapshot (its ``_cleanup``), and
