@@ -79,6 +79,24 @@ def rfsdp(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "trainer.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+def rfsdp_here(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
+    """Run the `rfsdp` CLI in this process (for refusals, which start nothing): exit code, stderr.
+    The CLI's SIGTERM handler, which it installs in the main thread, is put back afterwards.
+    """
+    import signal
+
+    from trainer.cli import main
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # argparse's own refusals
+        code = e.code
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return code, capsys.readouterr().err
+
+
 def train(data: Path, run_dir: Path, *extra: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
     """`rfsdp train` with the tiny model on 2 CPU workers."""
     proc = rfsdp("train", "--quiet", "--data", str(data), "--run-dir", str(run_dir), *extra, timeout=timeout)

@@ -153,42 +153,6 @@ def _check_soak(bench: dict) -> None:
     assert bench["methods"]["resilient_local"]["ceiling_vs_single_tier"] >= 1  # the single tier's redone steps, removed
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (("soak", "--fault-every", "0.5"), "--fault-every: must be a number of seconds >= 1"),
-    (("soak", "--fault-every", "nan"), "--fault-every: must be a number of seconds >= 1"),
-    (("soak", "--fault-every", "soon"), "argument --fault-every: invalid float value"),
-    (("goodput", "--fault-every", "30"), "--fault-every applies to the soak benchmark only"),
-    (("soak", "--ckpts-per-fault", "0"), "--ckpts-per-fault: must be a whole number >= 1, got 0"),
-    (("soak", "--ckpts-per-fault", "2.5"), "argument --ckpts-per-fault: invalid int value"),
-    (("recovery", "--ckpts-per-fault", "2"), "--ckpts-per-fault applies to the soak benchmark only"),
-])  # fmt: skip
-def test_bad_fault_every_is_refused(args: tuple[str, ...], message: str, tmp_path: Path) -> None:
-    proc = rfsdp("bench", *args, "--work", str(tmp_path / "work"))
-    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
-    assert not (tmp_path / "work").exists()  # refused before anything ran
-
-
-def test_unknown_benchmark_is_refused() -> None:
-    proc = rfsdp("bench", "nope")
-    assert proc.returncode == 2 and "invalid choice" in proc.stderr and "Traceback" not in proc.stderr
-
-
-def test_unwritable_json_path_is_refused(tmp_path: Path) -> None:
-    blocker = tmp_path / "file"
-    blocker.write_text("x")
-    proc = rfsdp("bench", "overhead", "--quick", "--json", str(blocker / "out.json"), "--work", str(tmp_path / "work"))
-    assert proc.returncode == 2 and "--json" in proc.stderr and "Traceback" not in proc.stderr
-    assert not (tmp_path / "work").exists()  # refused before anything was written
-
-
-def test_model_is_refused_where_it_does_not_apply_or_is_bad(tmp_path: Path) -> None:
-    proc = rfsdp("bench", "soak", "--model", "tiny", "--work", str(tmp_path / "work"))
-    assert proc.returncode == 2 and "--model applies to the checkpoint and overhead" in proc.stderr and "Traceback" not in proc.stderr
-    proc = rfsdp("bench", "checkpoint", "--model", f"hf:{tmp_path / 'missing'}", "--work", str(tmp_path / "work"))
-    assert proc.returncode == 2 and "--model" in proc.stderr and "Traceback" not in proc.stderr
-    assert not (tmp_path / "work").exists()  # refused before anything ran
-
-
 @pytest.mark.timeout(900)
 def test_the_checkpoint_benchmark_saves_your_own_model(tmp_path: Path) -> None:
     from tests.integration.test_models import save_model
