@@ -237,6 +237,9 @@ def _cluster(args: argparse.Namespace) -> int:
     if problem := cluster_problem():
         print(f"rfsdp cluster: the emulated cluster {problem}", file=sys.stderr)
         return 2
+    # Ctrl-C stops it, as it says, also where this process was started with SIGINT ignored (a
+    # shell's background job inherits that, and Python then leaves it ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     root = Path(args.root).resolve()
     workspace = root / "workspace"
     workspace.mkdir(parents=True, exist_ok=True)
