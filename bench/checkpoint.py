@@ -75,9 +75,14 @@ class _CheckpointerMethod:
         self.root = root
         self.state = state
         self.ckpt = Checkpointer(
-            root, writer=writer, group=group, events=EventLog(root, dist.get_rank()),
-            every=1 << 30, keep_last=1, fingerprint="bench",
-        )  # fmt: skip
+            root,
+            writer=writer,
+            group=group,
+            events=EventLog(root, dist.get_rank()),
+            every=1 << 30,
+            keep_last=1,
+            fingerprint="bench",
+        )
         self.waited_after_save = 0.0
         """The next optimizer step's wait for the last save's background copy: stall (``copy_wait``)."""
         state.optimizer.register_step_pre_hook(lambda *_: self._before_update())  # as the trainer does
@@ -153,7 +158,9 @@ class _DcpAsyncSave:
     def save(self, step: int) -> None:
         model_sd, optim_sd = get_state_dict(self.state.model, self.state.optimizer)
         target_dir = self.root / f"step_{step}"
-        self.future = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=target_dir, process_group=self.group)
+        self.future = dcp.async_save(
+            {"model": model_sd, "optim": optim_sd}, checkpoint_id=target_dir, process_group=self.group
+        )
 
     def done(self, step: int) -> bool:
         if self.future is None or not self.future.done():
@@ -194,7 +201,9 @@ def worker(args: argparse.Namespace) -> None:
     dcp_group = dist.new_group(backend="gloo", timeout=timeout)  # dcp.async_save's own
     harness = dist.new_group(backend="gloo", timeout=timeout)
 
-    async_writer = AsyncCheckpointWriter(cuda=False)  # before the state exists, as in the trainer: its worker is forked now
+    async_writer = AsyncCheckpointWriter(
+        cuda=False
+    )  # before the state exists, as in the trainer: its worker is forked now
     if args.model:  # a model of the user's (hf:PATH, py:...), at the benchmark's batch and sequence length
         spec = build_fsdp_model(args.model, rt, seed=0)
     else:
@@ -223,7 +232,9 @@ def worker(args: argparse.Namespace) -> None:
         return time.perf_counter() - t0, done
 
     iteration(None)  # creates the AdamW moments: the state is complete from here on
-    for method in methods.values():  # the per-step poll after that step, as in the trainer (the Checkpointer prepares its writer)
+    for method in (
+        methods.values()
+    ):  # the per-step poll after that step, as in the trainer (the Checkpointer prepares its writer)
         method.done(step)
     records = []
     for rnd, name in interleaved(METHODS, params["rounds"]):
@@ -241,23 +252,35 @@ def worker(args: argparse.Namespace) -> None:
         durable = time.perf_counter() - t0
         if not done:
             raise RuntimeError(f"{name}: not durable after {MAX_INFLIGHT_STEPS} steps")
-        if isinstance(method, _CheckpointerMethod) and method.waited_after_save:  # the first step's wait for the copy: stall, not step
+        if (
+            isinstance(method, _CheckpointerMethod) and method.waited_after_save
+        ):  # the first step's wait for the copy: stall, not step
             stall += method.waited_after_save
             inflight[0] -= method.waited_after_save
         method.cleanup()
         dist.barrier(group=harness)
         records.append(
-            {"round": rnd, "method": name, "stall_s": stall, "durable_s": durable, "base_step_s": base, "inflight_step_s": inflight}
+            {
+                "round": rnd,
+                "method": name,
+                "stall_s": stall,
+                "durable_s": durable,
+                "base_step_s": base,
+                "inflight_step_s": inflight,
+            }
         )
     write_s = methods["torch_save"].write_s
     for method in methods.values():
         method.close()
 
     gathered: list = [None] * rt.world_size
-    dist.gather_object({"records": records, "torch_save_write_s": write_s}, gathered if rt.rank == 0 else None, dst=0, group=harness)
+    dist.gather_object(
+        {"records": records, "torch_save_write_s": write_s}, gathered if rt.rank == 0 else None, dst=0, group=harness
+    )
     if rt.rank == 0:
         state_bytes = sum(
-            t.numel() * t.element_size() * rt.world_size for t in _flat_tensors(_local(get_state_dict(spec.module, optimizer)))
+            t.numel() * t.element_size() * rt.world_size
+            for t in _flat_tensors(_local(get_state_dict(spec.module, optimizer)))
         )  # every rank holds an equal shard
         parameters = sum(p.numel() for p in spec.module.parameters())  # (the global shapes: DTensors)
         Path(args.out).write_text(json.dumps({"ranks": gathered, "state_bytes": state_bytes, "parameters": parameters}))
@@ -288,7 +311,9 @@ def median_phases(saves: list[dict[str, float]]) -> dict[str, float]:
     return {k: median([s[k] for s in saves if k in s]) for k in names}
 
 
-def summarize(raw: dict, params: dict, phases: dict[str, list[dict[str, float]]] | None = None, *, model: str = "") -> dict:
+def summarize(
+    raw: dict, params: dict, phases: dict[str, list[dict[str, float]]] | None = None, *, model: str = ""
+) -> dict:
     """Per method: medians over the measured rounds (slowest rank per save), warm-up apart;
     ``phases``: the saves' phases of the ``PHASED`` methods (see :func:`save_phases`).
     """
@@ -336,7 +361,8 @@ def summarize(raw: dict, params: dict, phases: dict[str, list[dict[str, float]]]
     return {
         "benchmark": "checkpoint",
         "params": {
-            "model": model or {"dim": params["size"].dim, "layers": params["size"].layers, "seq_len": params["size"].seq_len},
+            "model": model
+            or {"dim": params["size"].dim, "layers": params["size"].layers, "seq_len": params["size"].seq_len},
             "parameters": raw.get("parameters") or size_parameters(params["size"]),
             "state_bytes": raw["state_bytes"],
             "batch_size": params["batch"],
@@ -347,7 +373,11 @@ def summarize(raw: dict, params: dict, phases: dict[str, list[dict[str, float]]]
         "methods": methods,
         "targets": [
             target("nvrx_async stall / torch_save stall <= 0.05", ours["stall_ratio"], 0.05),
-            target("nvrx_async stall / dcp_async_save stall <= 1", ratio(ours["stall_s"], methods["dcp_async_save"]["stall_s"]), 1.0),
+            target(
+                "nvrx_async stall / dcp_async_save stall <= 1",
+                ratio(ours["stall_s"], methods["dcp_async_save"]["stall_s"]),
+                1.0,
+            ),
             target("nvrx_async first-save stall / steady stall <= 2", ours["warmup_stall_vs_steady"], 2.0),
             target("nvrx_async step-time slowdown while writing <= 1.25", ours["slowdown"], 1.25),
         ],
@@ -387,13 +417,23 @@ def show(result: dict) -> None:
             ]
         )
     cols = ["method", "stall", "stall ratio", "durable", "step", "slowdown", "warm-up stall"]
-    title = f"checkpoint: {p['state_bytes'] / 2**30:.2f} GiB state, {p['ranks']} ranks, {p['rounds'] - 1} rounds + warm-up"
+    title = (
+        f"checkpoint: {p['state_bytes'] / 2**30:.2f} GiB state, {p['ranks']} ranks, {p['rounds'] - 1} rounds + warm-up"
+    )
     print_table(title, cols, rows)
     phased = [(name, m) for name, m in result["methods"].items() if m.get("phases")]
     names = list(dict.fromkeys(k for _, m in phased for k in [*m["warmup_phases"], *m["phases"]]))
-    columns = [(f"{name} {label}", p) for name, m in phased for label, p in (("steady", m["phases"]), ("first", m["warmup_phases"]))]
+    columns = [
+        (f"{name} {label}", p)
+        for name, m in phased
+        for label, p in (("steady", m["phases"]), ("first", m["warmup_phases"]))
+    ]
     rows = [[k, *(fmt(p.get(k)) for _, p in columns)] for k in names]
-    print_table("checkpoint: seconds per phase of a save (rank 0, its checkpoint events)", ["phase", *(c for c, _ in columns)], rows)
+    print_table(
+        "checkpoint: seconds per phase of a save (rank 0, its checkpoint events)",
+        ["phase", *(c for c, _ in columns)],
+        rows,
+    )
     print_targets(result["targets"])
 
 

@@ -76,7 +76,9 @@ def run_rfsdp(cfg: TrainConfig, *, max_restarts: int = 3) -> tuple[int, float]:
     Returns (exit code, wall seconds).
     """
     t0 = time.perf_counter()
-    code = launch_local(cfg, LaunchSpec(nnodes=1, nproc_per_node=cfg.world_size, max_restarts=max_restarts), progress=False)
+    code = launch_local(
+        cfg, LaunchSpec(nnodes=1, nproc_per_node=cfg.world_size, max_restarts=max_restarts), progress=False
+    )
     return code, time.perf_counter() - t0
 
 
@@ -89,12 +91,25 @@ def run_torchrun(
     Returns (exit code, wall seconds).
     """
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", "1", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-        "--monitor-interval", "0.1",  # the same as our ft_launcher's
-        "-m", module, *args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(max_restarts),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--monitor-interval",
+        "0.1",  # the same as our ft_launcher's
+        "-m",
+        module,
+        *args,
+    ]
     # By default torchrun's workers share the rendezvous store across restarts; a restarted
     # worker then reads the dead generation's address of a second gloo group (the trainer's
     # checkpoint group) and fails to connect. A fresh store per restart (ft_launcher's behaviour).
@@ -122,7 +137,9 @@ def run_torchrun_trainer(cfg: TrainConfig, *, max_restarts: int, timeout: float 
         raise ValueError("torchrun runs the trainer without in-process restart (inprocess_restart=False)")
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     log = Path(cfg.run_dir) / "logs" / "torchrun.log"
-    return run_torchrun("trainer.rank.train", cfg.to_argv(), log, nproc=cfg.world_size, max_restarts=max_restarts, timeout=timeout)
+    return run_torchrun(
+        "trainer.rank.train", cfg.to_argv(), log, nproc=cfg.world_size, max_restarts=max_restarts, timeout=timeout
+    )
 
 
 def fault_recoveries(events: list[Event]) -> list[dict]:
@@ -186,8 +203,17 @@ def _first_step(events: list[Event], indices: range) -> int | None:
 
 def machine() -> dict:
     """What the figures were measured on."""
-    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines() if line.startswith("model name")), "?")
-    mem_kb = next((int(line.split()[1]) for line in _read("/proc/meminfo").splitlines() if line.startswith("MemTotal")), 0)
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in _read("/proc/cpuinfo").splitlines()
+            if line.startswith("model name")
+        ),
+        "?",
+    )
+    mem_kb = next(
+        (int(line.split()[1]) for line in _read("/proc/meminfo").splitlines() if line.startswith("MemTotal")), 0
+    )
     import torch
 
     return {
@@ -241,7 +267,11 @@ def print_stages(title: str, rows: Sequence[tuple[str, dict[str, float]]]) -> No
     """
     longest = max((stages for _, stages in rows), key=len, default={})
     columns = list(dict.fromkeys([*longest, *(k for _, stages in rows for k in stages)]))
-    print_table(title, ["fault: method", *columns], [[label, *(fmt(stages.get(k), digits=1) for k in columns)] for label, stages in rows])
+    print_table(
+        title,
+        ["fault: method", *columns],
+        [[label, *(fmt(stages.get(k), digits=1) for k in columns)] for label, stages in rows],
+    )
 
 
 def target(name: str, value: float | None, limit: float, *, at_least: bool = False) -> dict:

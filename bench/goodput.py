@@ -34,7 +34,18 @@ from bench.common import (
     run_torchrun_trainer,
     target,
 )
-from trainer.events import Event, FaultFired, Restart, RunEnd, RunStart, Step, final_steps, read_events, select, summarize
+from trainer.events import (
+    Event,
+    FaultFired,
+    Restart,
+    RunEnd,
+    RunStart,
+    Step,
+    final_steps,
+    read_events,
+    select,
+    summarize,
+)
 from trainer.rank.config import TrainConfig
 
 METHODS = ("resilient", "baseline")
@@ -126,15 +137,25 @@ def run_one(method: str, run_dir: Path, data: Path, params: dict) -> dict:
     common = {k: params[k] for k in CONFIG_PARAMS if k in params} | {"local_ckpt_every": LOCAL_EVERY[method]}
     if method != "baseline":
         cfg = TrainConfig(data=str(data), run_dir=str(run_dir), **common, fault=params["fault"])
-        hard_faults = sum(f.kind != "exception" for f in cfg.faults)  # the ones in-process restart leaves to ft_launcher
+        hard_faults = sum(
+            f.kind != "exception" for f in cfg.faults
+        )  # the ones in-process restart leaves to ft_launcher
         code, wall = run_rfsdp(cfg, max_restarts=hard_faults + 1)
     else:  # every fault is a process failure for torchrun
-        cfg = TrainConfig(data=str(data), run_dir=str(run_dir), **common, fault=params["fault"], ckpt_mode="sync", inprocess_restart=False)
+        cfg = TrainConfig(
+            data=str(data),
+            run_dir=str(run_dir),
+            **common,
+            fault=params["fault"],
+            ckpt_mode="sync",
+            inprocess_restart=False,
+        )
         code, wall = run_torchrun_trainer(cfg, max_restarts=len(cfg.faults) + 1, timeout=params.get("timeout_s", 1800))
     events = read_events(run_dir)
     if code or not any(e.status == "completed" for e in select(events, RunEnd)):
         raise RuntimeError(
-            f"{params.get('benchmark', 'goodput')} benchmark: the {method} run did not complete (exit {code}); logs in {run_dir / 'logs'}"
+            f"{params.get('benchmark', 'goodput')} benchmark: the {method} run did not complete (exit {code}); "
+            f"logs in {run_dir / 'logs'}"
         )
     return measure_goodput(events, wall)
 
@@ -147,13 +168,25 @@ def compare(params: dict, work: Path, data: Path, methods: tuple[str, ...] = MET
     for rep, method in interleaved(methods, params["reps"]):
         runs[method].append(run_one(method, work / f"{method}_{rep}", data, params))
     figures = (
-        "goodput", "ettr", "wall_s", "useful_s", "recovery_s", "lost_steps", "checkpoint_stall_s",
-        "kept_step_s", "lost_step_s", "recovering_s", "start_exit_s", "other_s",
-    )  # fmt: skip
+        "goodput",
+        "ettr",
+        "wall_s",
+        "useful_s",
+        "recovery_s",
+        "lost_steps",
+        "checkpoint_stall_s",
+        "kept_step_s",
+        "lost_step_s",
+        "recovering_s",
+        "start_exit_s",
+        "other_s",
+    )
     out = {m: {**{k: median([r[k] for r in rs]) for k in figures}, "runs": rs} for m, rs in runs.items()}
     for m in out.values():
         m["ratio"] = ratio(m["goodput"], out["baseline"]["goodput"])
-        m["wall_ratio"] = ratio(out["baseline"]["wall_s"], m["wall_s"])  # the same steps and faults: how much sooner it finished
+        m["wall_ratio"] = ratio(
+            out["baseline"]["wall_s"], m["wall_s"]
+        )  # the same steps and faults: how much sooner it finished
     return out
 
 
@@ -189,7 +222,8 @@ def print_wall_ratios(methods: dict[str, dict], *, against: str = "baseline") ->
             print(
                 f"  same steps and faults: {name} finished in {fmt(m['wall_s'], ' s', 1)} against {against}'s "
                 f"{fmt(ref['wall_s'], ' s', 1)}: {fmt(ratio(ref['wall_s'], m['wall_s']), 'x', 3)} sooner "
-                f"(its kept steps took {fmt(m['kept_step_s'], ' s', 1)}, {against}'s {fmt(ref['kept_step_s'], ' s', 1)})"
+                f"(its kept steps took {fmt(m['kept_step_s'], ' s', 1)}, "
+                f"{against}'s {fmt(ref['kept_step_s'], ' s', 1)})"
             )
 
 
@@ -213,5 +247,16 @@ def show_methods(title: str, methods: dict[str, dict]) -> None:
                 restarts,
             ]
         )
-    columns = ["method", "goodput", "ratio", "ETTR", "wall", "useful", "recovering", "steps redone", "ckpt stall", "restarts"]
+    columns = [
+        "method",
+        "goodput",
+        "ratio",
+        "ETTR",
+        "wall",
+        "useful",
+        "recovering",
+        "steps redone",
+        "ckpt stall",
+        "restarts",
+    ]
     print_table(title, columns, rows)

@@ -26,11 +26,29 @@ from pathlib import Path
 from bench.common import fmt, fresh_dir, interleaved, median, print_table, print_targets, ratio, run_torchrun, target
 
 METHODS = ("sharded", "from_pretrained")
-FULL = {"shape": {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 24, "num_attention_heads": 16,
-                  "num_key_value_heads": 8, "vocab_size": 32000}, "reps": 2}  # fmt: skip
+FULL = {
+    "shape": {
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "vocab_size": 32000,
+    },
+    "reps": 2,
+}
 """About 350M parameters (1.4 GB in fp32): the issue's "about 300M"."""
-QUICK = {"shape": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
-                   "num_key_value_heads": 2, "vocab_size": 4096}, "reps": 1}  # fmt: skip
+QUICK = {
+    "shape": {
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 4096,
+    },
+    "reps": 1,
+}
 
 
 def save_model(out: Path, shape: dict) -> int:
@@ -96,9 +114,14 @@ def worker(args: argparse.Namespace) -> None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     anon_before, anon_peak = anon.stop()
     result = {
-        "rank": rt.rank, "peak_rss_mib": peak / 1024, "rss_before_mib": before / 1024, "seconds": seconds, "local_params": local,
-        "anon_before_mib": anon_before, "anon_peak_mib": anon_peak,
-    }  # fmt: skip
+        "rank": rt.rank,
+        "peak_rss_mib": peak / 1024,
+        "rss_before_mib": before / 1024,
+        "seconds": seconds,
+        "local_params": local,
+        "anon_before_mib": anon_before,
+        "anon_peak_mib": anon_peak,
+    }
     gathered = [None] * rt.world_size
     dist.all_gather_object(gathered, result)
     if rt.rank == 0:
@@ -123,8 +146,12 @@ def run(quick: bool, work: Path, data: Path) -> dict:
     methods = {
         m: {
             "peak_rss_mib_per_rank": median([max(r["peak_rss_mib"] for r in ranks) for ranks in runs]),
-            "load_rss_mib_per_rank": median([max(r["peak_rss_mib"] - r["rss_before_mib"] for r in ranks) for ranks in runs]),
-            "load_anon_mib_per_rank": median([max(r["anon_peak_mib"] - r["anon_before_mib"] for r in ranks) for ranks in runs]),
+            "load_rss_mib_per_rank": median(
+                [max(r["peak_rss_mib"] - r["rss_before_mib"] for r in ranks) for ranks in runs]
+            ),
+            "load_anon_mib_per_rank": median(
+                [max(r["anon_peak_mib"] - r["anon_before_mib"] for r in ranks) for ranks in runs]
+            ),
             "peak_rss_mib_node": median([sum(r["peak_rss_mib"] for r in ranks) for ranks in runs]),
             "baseline_rss_mib": median([max(r["rss_before_mib"] for r in ranks) for ranks in runs]),
             "seconds": median([max(r["seconds"] for r in ranks) for ranks in runs]),
@@ -150,13 +177,22 @@ def show(result: dict) -> None:
     """Print the result as a table."""
     p = result["params"]
     rows = [
-        [name, fmt(m["load_anon_mib_per_rank"], " MiB", 0), fmt(m["anon_over_model"], "x", 2), fmt(m["load_rss_mib_per_rank"], " MiB", 0),
-         fmt(m["seconds"], " s", 1)]
+        [
+            name,
+            fmt(m["load_anon_mib_per_rank"], " MiB", 0),
+            fmt(m["anon_over_model"], "x", 2),
+            fmt(m["load_rss_mib_per_rank"], " MiB", 0),
+            fmt(m["seconds"], " s", 1),
+        ]
         for name, m in result["methods"].items()
-    ]  # fmt: skip
-    title = f"loading a {p['parameters'] / 1e6:.0f}M-parameter Llama ({p['model_mib_fp32']:.0f} MiB fp32) on {p['ranks']} ranks"
+    ]
+    title = (
+        f"loading a {p['parameters'] / 1e6:.0f}M-parameter Llama ({p['model_mib_fp32']:.0f} MiB fp32) "
+        f"on {p['ranks']} ranks"
+    )
     caption = (
-        "own memory: a rank's peak RssAnon above its imports'; node / model: both ranks' own memory over the fp32 model; "
+        "own memory: a rank's peak RssAnon above its imports'; "
+        "node / model: both ranks' own memory over the fp32 model; "
         "RSS: ru_maxrss above its imports' (with the weight files' shared pages)"
     )
     print_table(title, ["method", "own memory / rank", "node / model", "RSS / rank", "until sharded"], rows, caption)

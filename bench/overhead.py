@@ -61,9 +61,17 @@ from trainer.rank.runtime import build_fsdp_model, detect_runtime, init_process_
 from trainer.rank.train import TrainState, lr_at, train_step
 
 BASE = {
-    "resilient": "plain", "local_tier": "resilient", "plain": None, "trainer": "plain", "async_ckpt": "trainer", "sync_ckpt": "trainer",
-    "ft_launcher": "trainer", "wrapper": "ft_launcher", "resilient_loaded": "plain_loaded", "plain_loaded": None,
-}  # fmt: skip
+    "resilient": "plain",
+    "local_tier": "resilient",
+    "plain": None,
+    "trainer": "plain",
+    "async_ckpt": "trainer",
+    "sync_ckpt": "trainer",
+    "ft_launcher": "trainer",
+    "wrapper": "ft_launcher",
+    "resilient_loaded": "plain_loaded",
+    "plain_loaded": None,
+}
 """Each method and the method it adds one component to (None: the reference)."""
 LOADED = {"resilient_loaded": "resilient", "plain_loaded": "plain"}
 """Methods run again beside a competing busy process (at the primary model size only), and what they run."""
@@ -93,12 +101,16 @@ def steps_per_s(times: list[float]) -> float:
 
 def plain_worker(args: argparse.Namespace) -> None:
     """One rank of the plain loop: the trainer's step function, nothing else."""
-    cfg = TrainConfig(data=args.data, run_dir=args.out, model=args.model, steps=args.steps, **user_model_shape(args.model))
+    cfg = TrainConfig(
+        data=args.data, run_dir=args.out, model=args.model, steps=args.steps, **user_model_shape(args.model)
+    )
     rt = detect_runtime()
     init_process_group(rt, None, timeout_s=600)
     spec = build_fsdp_model(cfg.model, rt, cfg.seed)
     optimizer = torch.optim.AdamW(spec.module.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    loader = TokenLoader(load_split(Path(cfg.data), "train"), cfg.seq_len or spec.seq_len, cfg.batch_size, rt.rank, rt.world_size)
+    loader = TokenLoader(
+        load_split(Path(cfg.data), "train"), cfg.seq_len or spec.seq_len, cfg.batch_size, rt.rank, rt.world_size
+    )
     state = TrainState(spec, optimizer, loader, RankMonitor(), dist.group.WORLD)
     times = []
     for step in range(1, cfg.steps + 1):
@@ -137,10 +149,16 @@ def run_method(method: str, model: str, steps: int, run_dir: Path, data: Path) -
         # after the last timed step.
         ckpt_every = CKPT_EVERY if kind in ("resilient", "local_tier", "async_ckpt", "sync_ckpt") else steps + 1
         cfg = TrainConfig(
-            data=str(data), run_dir=str(run_dir), model=model, steps=steps, ckpt_every=ckpt_every,
-            ckpt_mode="sync" if kind == "sync_ckpt" else "async", inprocess_restart=kind in ("resilient", "local_tier", "wrapper"),
-            local_ckpt_every=int(kind == "local_tier"), **user_model_shape(model),
-        )  # fmt: skip
+            data=str(data),
+            run_dir=str(run_dir),
+            model=model,
+            steps=steps,
+            ckpt_every=ckpt_every,
+            ckpt_mode="sync" if kind == "sync_ckpt" else "async",
+            inprocess_restart=kind in ("resilient", "local_tier", "wrapper"),
+            local_ckpt_every=int(kind == "local_tier"),
+            **user_model_shape(model),
+        )
         full_stack = kind in ("resilient", "local_tier", "wrapper", "ft_launcher")
         run = run_rfsdp if full_stack else lambda c: run_torchrun_trainer(c, max_restarts=0)
         code, _ = run(cfg)
@@ -195,9 +213,19 @@ def run(quick: bool, work: Path, data: Path, model: str = "") -> dict:
         "targets": [
             target("resilience overhead (1 - resilient/plain steps/s) <= 0.02", 1 - ours, 0.02),
             target("stack without checkpoints (wrapper) / plain steps/s >= 0.98", wrapper, 0.98, at_least=True),
-            target(f"stack with async checkpoints every {CKPT_EVERY} (resilient) / plain >= 0.95", ours, 0.95, at_least=True),
+            target(
+                f"stack with async checkpoints every {CKPT_EVERY} (resilient) / plain >= 0.95",
+                ours,
+                0.95,
+                at_least=True,
+            ),
             # step time with the tier <= 1.05x without it, i.e. steps/s >= 1 / 1.05
-            target("local tier every step: steps/s vs resilient >= 0.952 (step time <= 1.05x)", local, 1 / 1.05, at_least=True),
+            target(
+                "local tier every step: steps/s vs resilient >= 0.952 (step time <= 1.05x)",
+                local,
+                1 / 1.05,
+                at_least=True,
+            ),
         ],
     }
 
@@ -211,7 +239,11 @@ def show(result: dict) -> None:
         row = [name, m["base"] or "-"]
         for size in sizes:
             s = m["models"].get(size)
-            row += [fmt(s["steps_per_s"], digits=2), fmt(s["ratio"], digits=3), fmt(s["vs_base"], digits=3)] if s else ["", "", ""]
+            row += (
+                [fmt(s["steps_per_s"], digits=2), fmt(s["ratio"], digits=3), fmt(s["vs_base"], digits=3)]
+                if s
+                else ["", "", ""]
+            )
         rows.append(row)
     columns = ["method", "adds to", *(f"{size} {c}" for size in sizes for c in ("steps/s", "vs plain", "vs base"))]
     runs = ", ".join(f"{s} model {n} steps" for s, n in p["models"].items())

@@ -60,22 +60,30 @@ def run_one(method: str, fault: str, run_dir: Path, data: Path, params: dict) ->
     """One run with one fault, recovered by ``method``; returns its measured recovery."""
     fresh_dir(run_dir)
     cfg = TrainConfig(
-        data=str(data), run_dir=str(run_dir), model="tiny", steps=params["steps"], ckpt_every=params["ckpt_every"],
+        data=str(data),
+        run_dir=str(run_dir),
+        model="tiny",
+        steps=params["steps"],
+        ckpt_every=params["ckpt_every"],
         fault=f"{fault}@{params['fault_step']}:{FAULT_RANK}",
         # The wrapper would catch the exception before ft_launcher or torchrun could see it.
         inprocess_restart=method == "inprocess" or (method == "ft_injob" and fault != "exception"),
-    )  # fmt: skip
+    )
     if method == "torchrun":
         code, _ = run_torchrun_trainer(cfg, max_restarts=3)
     elif method == "cold":
         code, _ = run_rfsdp(cfg, max_restarts=0)
         if code == 0 or not select(read_events(run_dir), FaultFired):
-            raise RuntimeError(f"cold: the first job did not die of the injected {fault} (exit {code}); logs in {run_dir / 'logs'}")
+            raise RuntimeError(
+                f"cold: the first job did not die of the injected {fault} (exit {code}); logs in {run_dir / 'logs'}"
+            )
         code, _ = run_rfsdp(cfg, max_restarts=0)  # the user starts it again: it resumes
     else:
         code, _ = run_rfsdp(cfg, max_restarts=3)
     if code:
-        raise RuntimeError(f"recovery benchmark: {method} with {fault} failed (exit {code}); logs in {run_dir / 'logs'}")
+        raise RuntimeError(
+            f"recovery benchmark: {method} with {fault} failed (exit {code}); logs in {run_dir / 'logs'}"
+        )
     return measure_recovery(read_events(run_dir))
 
 
@@ -87,7 +95,9 @@ def run(quick: bool, work: Path, data: Path) -> dict:
     for rep, method in interleaved(METHODS, params["reps"]):
         for fault in params["faults"]:
             if applies(method, fault):
-                samples.setdefault((method, fault), []).append(run_one(method, fault, work / f"{method}_{fault}_{rep}", data, params))
+                samples.setdefault((method, fault), []).append(
+                    run_one(method, fault, work / f"{method}_{fault}_{rep}", data, params)
+                )
     methods: dict[str, dict] = {m: {} for m in METHODS}
     for (method, fault), runs in samples.items():
         methods[method][fault] = {
@@ -113,7 +123,11 @@ def run(quick: bool, work: Path, data: Path) -> dict:
         target("in-process recovery / cold restart <= 0.25", exc["inprocess"].get("ratio_vs_cold"), 0.25),
     ]
     for fault in params["faults"]:
-        targets.append(target(f"in-job recovery / cold restart ({fault}) <= 0.25", methods["ft_injob"][fault]["ratio_vs_cold"], 0.25))
+        targets.append(
+            target(
+                f"in-job recovery / cold restart ({fault}) <= 0.25", methods["ft_injob"][fault]["ratio_vs_cold"], 0.25
+            )
+        )
     return {
         "benchmark": "recovery",
         "params": {**params, "model": "tiny", "ranks": 2, "fault_rank": FAULT_RANK, "ckpt_mode": "async"},
@@ -140,10 +154,18 @@ def show(result: dict) -> None:
                         str(r["spurious_restarts"]),
                     ]
                 )
-    title = f"recovery: fault at step {p['fault_step']} on rank {p['fault_rank']}, checkpoint every {p['ckpt_every']}, {p['reps']} rep(s)"
-    print_table(title, ["fault: method", "layer", "fault -> next step", "vs cold", "steps lost", "spurious restarts"], rows)
+    title = (
+        f"recovery: fault at step {p['fault_step']} on rank {p['fault_rank']}, checkpoint every {p['ckpt_every']}, "
+        f"{p['reps']} rep(s)"
+    )
+    print_table(
+        title, ["fault: method", "layer", "fault -> next step", "vs cold", "steps lost", "spurious restarts"], rows
+    )
     timelines = [
-        (f"{f}: {m}", per[f]["phases"]) for f in p["faults"] for m, per in result["methods"].items() if per.get(f, {}).get("phases")
+        (f"{f}: {m}", per[f]["phases"])
+        for f in p["faults"]
+        for m, per in result["methods"].items()
+        if per.get(f, {}).get("phases")
     ]
     print_stages("recovery: when each stage ended (s after the fault, median; rank 0's restart event)", timelines)
     print_targets(result["targets"])

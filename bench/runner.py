@@ -15,12 +15,22 @@ from bench import checkpoint, goodput, load, overhead, recovery, soak
 from bench.common import DEFAULT_WORK, ensure_data, machine, write_json
 
 BENCHMARKS: dict[str, ModuleType] = {
-    "checkpoint": checkpoint, "recovery": recovery, "overhead": overhead, "goodput": goodput, "soak": soak, "load": load,
-}  # fmt: skip
+    "checkpoint": checkpoint,
+    "recovery": recovery,
+    "overhead": overhead,
+    "goodput": goodput,
+    "soak": soak,
+    "load": load,
+}
 
 
 def run_benchmarks(
-    names: list[str], *, quick: bool, json_path: Path | None, work: Path | None = None, options: dict[str, dict] | None = None
+    names: list[str],
+    *,
+    quick: bool,
+    json_path: Path | None,
+    work: Path | None = None,
+    options: dict[str, dict] | None = None,
 ) -> int:
     """Run the named benchmarks one after the other; returns 0 when all of them succeeded.
 
@@ -44,7 +54,9 @@ def run_benchmarks(
     work.mkdir(parents=True, exist_ok=True)
     data = ensure_data(work)
     results: dict = {
-        "command": "rfsdp bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else "rfsdp bench",
+        "command": "rfsdp bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+        if len(sys.argv) > 2
+        else "rfsdp bench",
         "quick": quick,
         "machine": machine(),
         "benchmarks": {},

@@ -21,7 +21,17 @@ import math
 import statistics
 from pathlib import Path
 
-from bench.common import fmt, fresh_dir, median_stages, print_stages, print_table, print_targets, ratio, run_rfsdp, target
+from bench.common import (
+    fmt,
+    fresh_dir,
+    median_stages,
+    print_stages,
+    print_table,
+    print_targets,
+    ratio,
+    run_rfsdp,
+    target,
+)
 from bench.goodput import compare, print_wall_ratios, show_methods
 from trainer.events import Step, read_events, select
 from trainer.rank.config import TrainConfig
@@ -72,7 +82,13 @@ def calibrate(work: Path, data: Path, params: dict) -> dict:
     run_dir = fresh_dir(work / "calibration")
     steps = params["calibration_steps"]
     cfg = TrainConfig(
-        data=str(data), run_dir=str(run_dir), model=params["model"], steps=steps, ckpt_every=steps, seed=params["seed"], local_ckpt_every=0
+        data=str(data),
+        run_dir=str(run_dir),
+        model=params["model"],
+        steps=steps,
+        ckpt_every=steps,
+        seed=params["seed"],
+        local_ckpt_every=0,
     )
     code, _ = run_rfsdp(cfg)
     times = [e.time for e in select(read_events(run_dir), Step)]
@@ -84,7 +100,9 @@ def calibrate(work: Path, data: Path, params: dict) -> dict:
     }
 
 
-def run(quick: bool, work: Path, data: Path, fault_every: float | None = None, ckpts_per_fault: int | None = None) -> dict:
+def run(
+    quick: bool, work: Path, data: Path, fault_every: float | None = None, ckpts_per_fault: int | None = None
+) -> dict:
     """Calibrate, then every method under the same schedule of faults every ``fault_every`` s,
     with ``ckpts_per_fault`` durable checkpoints between two faults.
     """
@@ -125,7 +143,12 @@ def run(quick: bool, work: Path, data: Path, fault_every: float | None = None, c
         "per_kind": per_kind(methods),
         "targets": [
             target("soak goodput resilient / baseline >= 1.5", ours["ratio"], 1.5, at_least=True),
-            target("soak goodput resilient >= 0.7 (meaningful at a fault every 60 s, tiny model)", ours["goodput"], 0.7, at_least=True),
+            target(
+                "soak goodput resilient >= 0.7 (meaningful at a fault every 60 s, tiny model)",
+                ours["goodput"],
+                0.7,
+                at_least=True,
+            ),
             target("soak goodput resilient_local / resilient >= 1.2", two_tier["vs_single_tier"], 1.2, at_least=True),
         ],
     }
@@ -172,12 +195,15 @@ def show(result: dict) -> None:
     ]
     columns = ["fault: method", "faults", "layer", "resumed from", "fault -> next step", "steps lost"]
     print_table("soak: per fault kind", columns, rows)
-    print_stages("soak: when each recovery stage ended (s after the fault, median)", [(label, k["phases"]) for label, k in kinds])
+    print_stages(
+        "soak: when each recovery stage ended (s after the fault, median)", [(label, k["phases"]) for label, k in kinds]
+    )
     print_targets(result["targets"])
     print_wall_ratios({k: v for k, v in result["methods"].items() if k != "resilient_local"})
     print_wall_ratios({k: v for k, v in result["methods"].items() if k != "baseline"}, against="resilient")
     two_tier = result["methods"]["resilient_local"]
     print(
-        f"  the local tier's ceiling here: {fmt(two_tier['ceiling_vs_single_tier'], 'x', 3)} of the single tier's goodput "
+        f"  the local tier's ceiling here: {fmt(two_tier['ceiling_vs_single_tier'], 'x', 3)} "
+        "of the single tier's goodput "
         f"(its redone steps' {fmt(result['methods']['resilient']['lost_step_s'], ' s', 1)} removed at no cost)"
     )

@@ -63,6 +63,8 @@ def check_run(
         env = os.environ
         here = WORKSPACE_ENV in env
         # Here, in the image and with the cluster's credentials, a model is checked wherever it is.
-        check_parameters(params, name, tracking_uri_env=env.get("MLFLOW_TRACKING_URI", ""), steps_run_here=here, model_check="all")
+        check_parameters(
+            params, name, tracking_uri_env=env.get("MLFLOW_TRACKING_URI", ""), steps_run_here=here, model_check="all"
+        )
     print(f"training run {name}: parameters checked")
     return name

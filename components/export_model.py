@@ -6,7 +6,12 @@ from components import IMAGE
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
 def export_model(
-    run: Input[Artifact], data: Input[Dataset], training_run: str, pipeline_job_id: str, export_uri: str, registered_model: str
+    run: Input[Artifact],
+    data: Input[Dataset],
+    training_run: str,
+    pipeline_job_id: str,
+    export_uri: str,
+    registered_model: str,
 ) -> None:
     """Export the validated checkpoint as a model directory (``rfsdp export``) to ``export_uri``;
     nothing to do when it is "". The exit handler logs it to MLflow as the run's model.
@@ -37,4 +42,7 @@ def export_model(
         except ParameterError as e:  # the destination is this step's parameter, not the CLI's --out
             raise ParameterError("export_uri" if e.field == "out" else e.field, e.problem, style="parameter") from None
         record_export(training_run, pipeline_job_id, result.to_dict(), registered_model)
-        print(f"exported step {result.step} ({result.kind}, {len(result.files)} files, {result.bytes:,} bytes) to {export_uri}")
+        print(
+            f"exported step {result.step} ({result.kind}, {len(result.files)} files, {result.bytes:,} bytes) "
+            f"to {export_uri}"
+        )

@@ -67,16 +67,24 @@ def check_parameters(
     if not params["experiment"].strip():
         raise refuse("experiment", "must not be empty")
     if params["checkpoint_uri"] and not params["checkpoint_uri"].startswith("s3://"):
-        raise refuse("checkpoint_uri", f"{params['checkpoint_uri']!r} is not s3://bucket/prefix (the pipeline mirrors to object storage)")
+        raise refuse(
+            "checkpoint_uri",
+            f"{params['checkpoint_uri']!r} is not s3://bucket/prefix (the pipeline mirrors to object storage)",
+        )
     if not params["text_field"].strip():
         raise refuse("text_field", "must not be empty")
     export_uri, registered = params["export_uri"], params["registered_model"]
     if export_uri and not (export_uri.startswith("s3://") or export_uri.startswith("/")):
-        raise refuse("export_uri", f"{export_uri!r} is not s3://bucket/prefix nor an absolute path (e.g. {WORKSPACE_MOUNT}/models/NAME)")
+        raise refuse(
+            "export_uri",
+            f"{export_uri!r} is not s3://bucket/prefix nor an absolute path (e.g. {WORKSPACE_MOUNT}/models/NAME)",
+        )
     if registered and not export_uri:
         raise refuse("registered_model", f"{registered!r} needs a model to register: set export_uri")
     if registered and (registered != registered.strip() or any(c in registered for c in "'\"\n\\/")):
-        raise refuse("registered_model", f"{registered!r} is not a model name (no quotes, slashes or surrounding spaces)")
+        raise refuse(
+            "registered_model", f"{registered!r} is not a model name (no quotes, slashes or surrounding spaces)"
+        )
     with as_pipeline_parameters():
         check_run_name(name)
         data, run_dir = shared_paths(name)
@@ -97,8 +105,13 @@ def check_parameters(
                 and not uri.removeprefix("sqlite:///").removeprefix("file://").startswith(WORKSPACE_MOUNT + "/")
             ):
                 shown = redact_uri(uri)
-                raise refuse("tracking_uri", f"{shown!r} is a file in the logging step's pod, lost with it: use a tracking server")
-        build_pytorchjob(cfg, spec, cluster_options({**params, "training_run": name}))  # image, resources: checked on every backend
+                raise refuse(
+                    "tracking_uri",
+                    f"{shown!r} is a file in the logging step's pod, lost with it: use a tracking server",
+                )
+        build_pytorchjob(
+            cfg, spec, cluster_options({**params, "training_run": name})
+        )  # image, resources: checked on every backend
         if _model_checked_here(params["model"], model_check):
             from trainer.models import check_model
 
@@ -219,7 +232,14 @@ def log_exported_model(record: dict, run_id: str, tracking_uri: str) -> str:
             for key in export["files"]:
                 store.download(key, local / key)
         shown = redact_uri(export["out"])
-        version = log_model(run_id, local, tracking_uri=tracking_uri, step=export["step"], exported_to=shown, registered_model=registered)
+        version = log_model(
+            run_id,
+            local,
+            tracking_uri=tracking_uri,
+            step=export["step"],
+            exported_to=shown,
+            registered_model=registered,
+        )
     where = f"; registered as {registered} version {version}" if version else ""
     return f"model of step {export['step']} exported to {export['out']}, logged to MLflow under model/{where}"
 
@@ -230,7 +250,9 @@ def read_record(name: str, kfp_run: str) -> tuple[dict | None, dict | None]:
     for file in (FAILURE_FILE, VALIDATION_FILE):
         path = run_root(name) / file
         record = json.loads(path.read_text()) if path.is_file() else None
-        found.append(record if record and record["kfp_run"] == kfp_run else None)  # an earlier KFP run's: not this one's
+        found.append(
+            record if record and record["kfp_run"] == kfp_run else None
+        )  # an earlier KFP run's: not this one's
     return found[0], found[1]
 
 
@@ -249,7 +271,9 @@ def mlflow_run_name(training_run: str, pipeline_job: str) -> str:
     return f"{training_run} @ {pipeline_job}" if pipeline_job else training_run
 
 
-def mlflow_run_tags(training_run: str, *, backend: str, pipeline_job: str, pipeline_job_id: str, image: str) -> dict[str, str]:
+def mlflow_run_tags(
+    training_run: str, *, backend: str, pipeline_job: str, pipeline_job_id: str, image: str
+) -> dict[str, str]:
     """The tags a pipeline run puts on its MLflow run (while it trains and when it is logged)."""
     return {
         "training_run": training_run,
@@ -261,7 +285,9 @@ def mlflow_run_tags(training_run: str, *, backend: str, pipeline_job: str, pipel
 
 
 def tracking_uri_of(tracking_uri: str) -> str:
-    """The pipeline's tracking URI: the parameter, else ``MLFLOW_TRACKING_URI`` (the MLflow secret on a cluster); "" neither."""
+    """The pipeline's tracking URI: the parameter, else ``MLFLOW_TRACKING_URI`` (the MLflow secret on a cluster);
+    "" neither.
+    """
     import os
 
     return tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
@@ -299,7 +325,9 @@ def live_tracking(
         tracking_uri=tracking_uri_of(tracking_uri) or None,
         experiment=experiment,
         run_name=mlflow_run_name(training_run, pipeline_job),
-        tags=mlflow_run_tags(training_run, backend=backend, pipeline_job=pipeline_job, pipeline_job_id=pipeline_job_id, image=image),
+        tags=mlflow_run_tags(
+            training_run, backend=backend, pipeline_job=pipeline_job, pipeline_job_id=pipeline_job_id, image=image
+        ),
     ).start()
     try:
         yield
@@ -366,7 +394,9 @@ def log_pipeline_run(
     uri = tracking_uri_of(tracking_uri)
     if not uri and backend == "kubernetes":
         raise ParameterError(
-            "tracking_uri", "no MLflow tracking URI (parameter or the rfsdp-mlflow secret): the run is not logged", style="parameter"
+            "tracking_uri",
+            "no MLflow tracking URI (parameter or the rfsdp-mlflow secret): the run is not logged",
+            style="parameter",
         )
     uri = resolve_tracking_uri(uri or None)
     try:
@@ -382,19 +412,31 @@ def log_pipeline_run(
     if failure is None and state != "SUCCEEDED":  # a step that could not record (killed, or its pod never ran)
         failure = {"step": "unknown", "reason": error_message or f"the pipeline run ended {state}"}
     failed = Failure(failure["step"], failure["reason"]) if failure else None
-    tags = mlflow_run_tags(name, backend=backend, pipeline_job=pipeline_job, pipeline_job_id=pipeline_job_id, image=image)
+    tags = mlflow_run_tags(
+        name, backend=backend, pipeline_job=pipeline_job, pipeline_job_id=pipeline_job_id, image=image
+    )
     run_name = mlflow_run_name(name, pipeline_job)
     run_dir = run_root(name) / "run"
     started = accepted and (run_dir / EVENTS_FILE).is_file() and not (failed and failed.step in BEFORE_TRAINING)
     events = read_events(run_dir) if started else []
     if started:
         report = validation["report"] if validation else None
-        run_id = log_run(run_dir, tracking_uri=uri, experiment=experiment, tags=tags, validation=report, failure=failed, run_name=run_name)
+        run_id = log_run(
+            run_dir,
+            tracking_uri=uri,
+            experiment=experiment,
+            tags=tags,
+            validation=report,
+            failure=failed,
+            run_name=run_name,
+        )
         exported = read_export(name, pipeline_job_id)
         if exported is not None:
             print(log_exported_model(exported, run_id, uri))
     else:
-        run_id = log_failed_attempt(pipeline_job_id, failed, tracking_uri=uri, experiment=experiment, tags=tags, run_name=run_name)
+        run_id = log_failed_attempt(
+            pipeline_job_id, failed, tracking_uri=uri, experiment=experiment, tags=tags, run_name=run_name
+        )
     url = run_url(uri, run_id)
     headline = headline_metrics(events, validation["report"]["valid"] if validation else None)
     markdown = run_report(

@@ -56,8 +56,10 @@ def train(
         steps: total optimizer steps.
         ckpt_every: checkpoint interval in steps.
         ckpt_mode: ``async`` or ``sync``.
-        local_ckpt_every: local snapshot interval in steps, to each node's memory (0 off; -1: every step up to model small).
-        local_replicas: peer copies of each rank's local snapshots on other nodes (-1: 1 when nnodes > 1 and the tier is on).
+        local_ckpt_every: local snapshot interval in steps, to each node's memory (0 off; -1: every step up to
+            model small).
+        local_replicas: peer copies of each rank's local snapshots on other nodes (-1: 1 when nnodes > 1 and the
+            tier is on).
         nnodes: replicas (PyTorchJob Worker pods).
         nproc_per_node: worker processes per replica.
         max_restarts: in-job restarts ft_launcher may do.
@@ -95,17 +97,32 @@ def train(
     from components.runs import TRAIN_STEP, check_training_completed, live_tracking, recorded, run_descriptor, run_root
     from trainer.errors import ParameterError, as_pipeline_parameters
     from trainer.fsutil import sync_tree
-    from trainer.launch.local import BACKENDS, check_model_fits, check_run_dir, hold_run_dir, job_from_parameters, launch_local
+    from trainer.launch.local import (
+        BACKENDS,
+        check_model_fits,
+        check_run_dir,
+        hold_run_dir,
+        job_from_parameters,
+        launch_local,
+    )
 
     def cancelled(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # KFP cancels a step with SIGTERM: stop the processes / delete the job
 
     signal.signal(signal.SIGTERM, cancelled)
     tracking = {
-        "tracking_uri": tracking_uri, "experiment": experiment, "training_run": training_run, "backend": backend,
-        "pipeline_job": pipeline_job, "pipeline_job_id": pipeline_job_id, "image": image,
-    }  # fmt: skip
-    with recorded(training_run, pipeline_job_id, TRAIN_STEP), as_pipeline_parameters():  # a refusal names the parameter, not the flag
+        "tracking_uri": tracking_uri,
+        "experiment": experiment,
+        "training_run": training_run,
+        "backend": backend,
+        "pipeline_job": pipeline_job,
+        "pipeline_job_id": pipeline_job_id,
+        "image": image,
+    }
+    with (
+        recorded(training_run, pipeline_job_id, TRAIN_STEP),
+        as_pipeline_parameters(),
+    ):  # a refusal names the parameter, not the flag
         if backend not in BACKENDS:
             raise ParameterError("backend", f"{backend!r} is not one of {', '.join(BACKENDS)}", style="parameter")
         if backend == "local":
@@ -114,9 +131,12 @@ def train(
                 code = launch_local(cfg, spec, progress=False)
             if code:
                 for log in sorted((Path(cfg.run_dir) / "logs").glob("*.log")):
-                    print(f"--- {log.name} (last lines)\n" + "\n".join(log.read_text(errors="replace").splitlines()[-30:]))
+                    print(
+                        f"--- {log.name} (last lines)\n" + "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+                    )
                 raise RuntimeError(
-                    f"training failed: the local job exited with code {code} (logs above, all of them in {cfg.run_dir}/logs)"
+                    f"training failed: the local job exited with code {code} (logs above, "
+                    f"all of them in {cfg.run_dir}/logs)"
                 )
         else:
             from trainer.launch.k8s import build_pytorchjob, cluster_options, run_pytorchjob, shared_paths
@@ -132,7 +152,9 @@ def train(
 
             check_model_fits(job_cfg, load_manifest(Path(data.path)))
             job = build_pytorchjob(job_cfg, spec, cluster_options(params))
-            cfg = dataclasses.replace(job_cfg, data=str(run_root(training_run) / "data"), run_dir=str(run_root(training_run) / "run"))
+            cfg = dataclasses.replace(
+                job_cfg, data=str(run_root(training_run) / "data"), run_dir=str(run_root(training_run) / "run")
+            )
             # A second run under this name is refused while this one lives. Inside that lock, and
             # before the data is copied over the volume's, a rerun under the same training_run must
             # be the same config and data (the data set identified here by the step's input).
@@ -150,4 +172,6 @@ def train(
     # bytes the artifact store moves do not grow with the model.
     descriptor = run_descriptor(training_run, Path(cfg.run_dir))
     Path(run.path).write_text(json.dumps(descriptor, indent=1))
-    run.metadata.update({**{k: v for k, v in descriptor.items() if k != "manifest"}, "run_dir": cfg.run_dir, "backend": backend})
+    run.metadata.update(
+        {**{k: v for k, v in descriptor.items() if k != "manifest"}, "run_dir": cfg.run_dir, "backend": backend}
+    )

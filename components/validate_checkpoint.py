@@ -28,4 +28,6 @@ def validate_checkpoint(run: Input[Artifact], data: Input[Dataset], training_run
         record_validation(training_run, pipeline_job_id, result.to_dict(), result.to_markdown())
         print(result.summary())
         if not result.valid:
-            raise RuntimeError(f"checkpoint at step {result.step} is invalid: failed check(s): {', '.join(result.failed)}")
+            raise RuntimeError(
+                f"checkpoint at step {result.step} is invalid: failed check(s): {', '.join(result.failed)}"
+            )

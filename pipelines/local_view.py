@@ -58,7 +58,9 @@ class _Watcher:
         self._thread = threading.Thread(target=self._run, name="local-view", daemon=True)
         self.log, self.workspace, self.last_step, self.terminal = log, workspace, last_step, terminal
         self._log_offset = log.stat().st_size
-        self._known = {p: p.stat().st_size for p in workspace.glob(f"*/run/{EVENTS_FILE}")}  # a resumed run's earlier events
+        self._known = {
+            p: p.stat().st_size for p in workspace.glob(f"*/run/{EVENTS_FILE}")
+        }  # a resumed run's earlier events
         self._progress: TrainingProgress | None = None
         self._step_started: dict[str, float] = {}
         self._done = threading.Event()
@@ -106,7 +108,9 @@ class _Watcher:
         if self._progress is None:
             for events in self.workspace.glob(f"*/run/{EVENTS_FILE}"):
                 if events.stat().st_size > self._known.get(events, 0):
-                    progress = TrainingProgress(events.parent, self.last_step, out=self.terminal, start=self._known.get(events, 0))
+                    progress = TrainingProgress(
+                        events.parent, self.last_step, out=self.terminal, start=self._known.get(events, 0)
+                    )
                     self._progress = progress.__enter__()
                     break
         if self._progress is not None:

@@ -82,7 +82,10 @@ def _with_fault_kinds(func: Callable) -> Callable:
 
 @dsl.pipeline(
     name=PIPELINE_NAME,
-    description="Resilient FSDP training: NVRx async checkpoints, in-process and in-job restart; a validated checkpoint; MLflow.",
+    description=(
+        "Resilient FSDP training: NVRx async checkpoints, in-process and in-job restart; "
+        "a validated checkpoint; MLflow."
+    ),
 )
 @_with_fault_kinds
 def resilient_fsdp_training(
@@ -128,10 +131,10 @@ def resilient_fsdp_training(
         ckpt_every: Checkpoint interval in steps (the last step is always checkpointed).
         ckpt_mode: Checkpoint writer: async (NVRx background writer) or sync (blocking baseline).
         local_ckpt_every: Local snapshot interval in steps: each rank's state also goes to its node's memory (/dev/shm,
-            sized for it), and a recovery resumes from it when it is newer than the durable checkpoint (0 = off; -1 = every
-            step for the models up to small, off for larger ones).
-        local_replicas: Peer copies of each rank's local snapshots, held on other nodes, so that a replaced node's state comes
-            back from a peer (-1 = 1 when nnodes > 1 and local_ckpt_every is on, else 0; fewer than nnodes).
+            sized for it), and a recovery resumes from it when it is newer than the durable checkpoint (0 = off;
+            -1 = every step for the models up to small, off for larger ones).
+        local_replicas: Peer copies of each rank's local snapshots, held on other nodes, so that a replaced node's state
+            comes back from a peer (-1 = 1 when nnodes > 1 and local_ckpt_every is on, else 0; fewer than nnodes).
         nnodes: Replicas: PyTorchJob Worker pods (kubernetes) or ft_launcher processes (local).
         nproc_per_node: Worker processes per replica (one per GPU with gpus=true).
         max_restarts: In-job restarts ft_launcher may do before the job fails.
@@ -151,8 +154,8 @@ def resilient_fsdp_training(
         hang_timeout: Seconds without a heartbeat before a rank counts as hung (the other timeouts derive from it).
         grace_period: Seconds a preempted or evicted worker has to checkpoint its step and exit (the PyTorchJob's
             terminationGracePeriodSeconds is this plus 15).
-        system_metrics_every: Seconds between samples of each node's CPU, memory, /dev/shm, network and GPU use, logged to
-            MLflow as system/node_N/... (0 = off).
+        system_metrics_every: Seconds between samples of each node's CPU, memory, /dev/shm, network and GPU use, logged
+            to MLflow as system/node_N/... (0 = off).
         backend: Where training runs: kubernetes (a PyTorchJob) or local (processes inside the train step's pod).
         training_run: Name of the training run ("" = derived from this KFP run, so every run starts afresh). A DNS-1035
             name names the PyTorchJob and the run's folder on the shared volume: a rerun under it resumes the run.
@@ -166,7 +169,8 @@ def resilient_fsdp_training(
         tokenizer: Hugging Face tokenizer (a directory or tokenizer.json, local or s3://) the corpus is tokenized with
             ("" = byte-level UTF-8). The model's vocabulary must cover it; it is exported with the model.
         text_field: The JSON lines field or Parquet column holding a record's text.
-        pvc_name: ReadWriteMany PersistentVolumeClaim mounted at /mnt/rfsdp in every step and worker: data, run dirs and their records.
+        pvc_name: ReadWriteMany PersistentVolumeClaim mounted at /mnt/rfsdp in every step and worker: data, run dirs and
+            their records.
         checkpoint_uri: Remote location (s3://bucket/prefix) durable checkpoints are mirrored to ("" none).
         tracking_uri: MLflow tracking server, e.g. http://mlflow.NS:5000 ("" = the MLFLOW_TRACKING_URI key of the
             rfsdp-mlflow secret; a kubernetes run with neither is refused).
@@ -180,36 +184,89 @@ def resilient_fsdp_training(
     """
     kfp_run = {"pipeline_job": dsl.PIPELINE_JOB_NAME_PLACEHOLDER, "pipeline_job_id": dsl.PIPELINE_JOB_ID_PLACEHOLDER}
     logged = log_to_mlflow(
-        training_run=training_run, backend=backend, tracking_uri=tracking_uri, experiment=experiment, image=image, **kfp_run
+        training_run=training_run,
+        backend=backend,
+        tracking_uri=tracking_uri,
+        experiment=experiment,
+        image=image,
+        **kfp_run,
     ).set_display_name("log to MLflow")
     with dsl.ExitHandler(logged, name="run"):
         checked = check_run(
-            steps=steps, ckpt_every=ckpt_every, ckpt_mode=ckpt_mode, local_ckpt_every=local_ckpt_every, local_replicas=local_replicas,
+            steps=steps,
+            ckpt_every=ckpt_every,
+            ckpt_mode=ckpt_mode,
+            local_ckpt_every=local_ckpt_every,
+            local_replicas=local_replicas,
             nnodes=nnodes,
             nproc_per_node=nproc_per_node,
-            max_restarts=max_restarts, inprocess_restart=inprocess_restart, fault=fault, model=model, seed=seed,
-            seq_len=seq_len, grad_accum_steps=grad_accum_steps, activation_checkpointing=activation_checkpointing,
-            hang_timeout=hang_timeout, grace_period=grace_period, system_metrics_every=system_metrics_every, backend=backend,
-            training_run=training_run, image=image, job_namespace=job_namespace, gpus=gpus, cpu=cpu, memory=memory,
-            source=source, tokenizer=tokenizer, text_field=text_field, pvc_name=pvc_name, checkpoint_uri=checkpoint_uri,
-            tracking_uri=tracking_uri, experiment=experiment, export_uri=export_uri, registered_model=registered_model, **kfp_run,
-        ).set_display_name("check parameters")  # fmt: skip
+            max_restarts=max_restarts,
+            inprocess_restart=inprocess_restart,
+            fault=fault,
+            model=model,
+            seed=seed,
+            seq_len=seq_len,
+            grad_accum_steps=grad_accum_steps,
+            activation_checkpointing=activation_checkpointing,
+            hang_timeout=hang_timeout,
+            grace_period=grace_period,
+            system_metrics_every=system_metrics_every,
+            backend=backend,
+            training_run=training_run,
+            image=image,
+            job_namespace=job_namespace,
+            gpus=gpus,
+            cpu=cpu,
+            memory=memory,
+            source=source,
+            tokenizer=tokenizer,
+            text_field=text_field,
+            pvc_name=pvc_name,
+            checkpoint_uri=checkpoint_uri,
+            tracking_uri=tracking_uri,
+            experiment=experiment,
+            export_uri=export_uri,
+            registered_model=registered_model,
+            **kfp_run,
+        ).set_display_name("check parameters")
         name = checked.output
         job_id = kfp_run["pipeline_job_id"]
         data = prepare_data(
             source=source, tokenizer=tokenizer, text_field=text_field, training_run=name, pipeline_job_id=job_id
         ).set_display_name("prepare data")
         trained = train(
-            data=data.outputs["data"], steps=steps, ckpt_every=ckpt_every, ckpt_mode=ckpt_mode, local_ckpt_every=local_ckpt_every,
+            data=data.outputs["data"],
+            steps=steps,
+            ckpt_every=ckpt_every,
+            ckpt_mode=ckpt_mode,
+            local_ckpt_every=local_ckpt_every,
             local_replicas=local_replicas,
             nnodes=nnodes,
-            nproc_per_node=nproc_per_node, max_restarts=max_restarts, inprocess_restart=inprocess_restart, fault=fault,
-            model=model, seq_len=seq_len, grad_accum_steps=grad_accum_steps, activation_checkpointing=activation_checkpointing,
-            seed=seed, hang_timeout=hang_timeout, grace_period=grace_period,
-            system_metrics_every=system_metrics_every, checkpoint_uri=checkpoint_uri, backend=backend, training_run=name,
-            image=image, job_namespace=job_namespace, pvc_name=pvc_name, gpus=gpus, cpu=cpu, memory=memory,
-            tracking_uri=tracking_uri, experiment=experiment, **kfp_run,
-        ).set_display_name("train")  # fmt: skip
+            nproc_per_node=nproc_per_node,
+            max_restarts=max_restarts,
+            inprocess_restart=inprocess_restart,
+            fault=fault,
+            model=model,
+            seq_len=seq_len,
+            grad_accum_steps=grad_accum_steps,
+            activation_checkpointing=activation_checkpointing,
+            seed=seed,
+            hang_timeout=hang_timeout,
+            grace_period=grace_period,
+            system_metrics_every=system_metrics_every,
+            checkpoint_uri=checkpoint_uri,
+            backend=backend,
+            training_run=name,
+            image=image,
+            job_namespace=job_namespace,
+            pvc_name=pvc_name,
+            gpus=gpus,
+            cpu=cpu,
+            memory=memory,
+            tracking_uri=tracking_uri,
+            experiment=experiment,
+            **kfp_run,
+        ).set_display_name("train")
         checked_ckpt = validate_checkpoint(
             run=trained.outputs["run"], data=data.outputs["data"], training_run=name, pipeline_job_id=job_id
         ).set_display_name("validate checkpoint")
@@ -217,10 +274,18 @@ def resilient_fsdp_training(
         # to reshard and replay it: a worker pod's resources, not a default step's.
         checked_ckpt.set_cpu_request(cpu).set_memory_request(memory)
         # Only a checkpoint the validation passed is exported (it reads the whole model in one process).
-        exported = export_model(
-            run=trained.outputs["run"], data=data.outputs["data"], training_run=name, pipeline_job_id=job_id, export_uri=export_uri,
-            registered_model=registered_model,
-        ).set_display_name("export model").after(checked_ckpt)  # fmt: skip
+        exported = (
+            export_model(
+                run=trained.outputs["run"],
+                data=data.outputs["data"],
+                training_run=name,
+                pipeline_job_id=job_id,
+                export_uri=export_uri,
+                registered_model=registered_model,
+            )
+            .set_display_name("export model")
+            .after(checked_ckpt)
+        )
         exported.set_cpu_request(cpu).set_memory_request(memory)
     tasks = (checked, data, trained, checked_ckpt, exported, logged)
     # The run resumes under its name and the record is rewritten each time: nothing may come from a cache.
@@ -228,7 +293,9 @@ def resilient_fsdp_training(
         task.set_caching_options(False)
         task.set_container_image(image)
         for secret, keys in CREDENTIAL_SECRETS.items():
-            kubernetes.use_secret_as_env(task, secret_name=secret, secret_key_to_env={k: k for k in keys}, optional=True)
+            kubernetes.use_secret_as_env(
+                task, secret_name=secret, secret_key_to_env={k: k for k in keys}, optional=True
+            )
         # The run's data, run dir and record live on this volume (the workers mount it too).
         kubernetes.mount_pvc(task, pvc_name=pvc_name, mount_path=WORKSPACE_MOUNT)
     return Outputs(
@@ -253,7 +320,10 @@ class Parameter(NamedTuple):
 def parameters() -> list[Parameter]:
     """Every pipeline parameter with its KFP type, default and description (from the docstring)."""
     inputs = resilient_fsdp_training.component_spec.inputs
-    return [Parameter(name, spec.type, spec.default, " ".join((spec.description or "").split())) for name, spec in inputs.items()]
+    return [
+        Parameter(name, spec.type, spec.default, " ".join((spec.description or "").split()))
+        for name, spec in inputs.items()
+    ]
 
 
 def parameter_defaults() -> dict[str, Any]:
@@ -330,7 +400,9 @@ def parameters_yaml() -> str:
 
     import yaml
 
-    lines = [f"# Parameters of the {PIPELINE_NAME} pipeline: rfsdp pipeline run-local|submit|manifest --params FILE.yaml"]
+    lines = [
+        f"# Parameters of the {PIPELINE_NAME} pipeline: rfsdp pipeline run-local|submit|manifest --params FILE.yaml"
+    ]
     for p in parameters():
         lines += ["", *textwrap.wrap(p.description, 100, initial_indent="# ", subsequent_indent="# ")]
         lines.append(yaml.safe_dump({p.name: p.default}, default_flow_style=False).rstrip())
@@ -349,7 +421,11 @@ def parameters_text() -> str:
 
 
 def check_parameters(
-    overrides: Mapping[str, Any], *, tracking_uri_env: str = "", steps_run_here: bool = False, model_check: str = "local"
+    overrides: Mapping[str, Any],
+    *,
+    tracking_uri_env: str = "",
+    steps_run_here: bool = False,
+    model_check: str = "local",
 ) -> dict[str, Any]:
     """All parameters (defaults + ``overrides``) after the checks the first step makes before
     anything starts: training config, launch spec, fault schedule, run name, image, resources,
@@ -373,7 +449,9 @@ def check_parameters(
         raise ValueError(f"unknown parameter(s) {', '.join(unknown)} (known: {', '.join(defaults)})")
     params = {**defaults, **overrides}
     name = params["training_run"] or PREVIEW_RUN
-    check_run_parameters(params, name, tracking_uri_env=tracking_uri_env, steps_run_here=steps_run_here, model_check=model_check)
+    check_run_parameters(
+        params, name, tracking_uri_env=tracking_uri_env, steps_run_here=steps_run_here, model_check=model_check
+    )
     return params
 
 

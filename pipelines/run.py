@@ -129,16 +129,22 @@ def run_local(overrides: Mapping[str, Any], root: Path, *, quiet: bool = False) 
 
     overrides = {**LOCAL_OVERRIDES, "tracking_uri": resolve_tracking_uri(None), **overrides}
     env_uri = os.environ.get("MLFLOW_TRACKING_URI", "")
-    params = check_parameters(overrides, tracking_uri_env=env_uri, steps_run_here=True, model_check="all")  # (the steps' paths are ours)
+    params = check_parameters(
+        overrides, tracking_uri_env=env_uri, steps_run_here=True, model_check="all"
+    )  # (the steps' paths are ours)
     if params["backend"] == "kubernetes":
         from trainer.emulation.cluster import cluster_problem
 
         if problem := cluster_problem():
-            raise ParameterError("backend", f"run-local runs kubernetes on the emulated cluster, which {problem}", style="parameter")
+            raise ParameterError(
+                "backend", f"run-local runs kubernetes on the emulated cluster, which {problem}", style="parameter"
+            )
     workspace = (root / "workspace").resolve()
     workspace.mkdir(parents=True, exist_ok=True)
     kfp.local.init(
-        runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(root.resolve() / "pipeline_root"), raise_on_error=True
+        runner=kfp.local.SubprocessRunner(use_venv=False),
+        pipeline_root=str(root.resolve() / "pipeline_root"),
+        raise_on_error=True,
     )
     log = root.resolve() / STEPS_LOG if quiet else None
     view = steps_to_log(log, workspace, params["steps"]) if log else contextlib.nullcontext()
@@ -197,12 +203,18 @@ def submit(
             path = compile_pipeline(package or Path(tmp) / "pipeline.yaml")
             pipeline_id = client.get_pipeline_id(PIPELINE_NAME)
             if pipeline_id is None:  # first upload: the pipeline and its first version
-                pipeline_id = client.upload_pipeline(str(path), pipeline_name=PIPELINE_NAME, namespace=namespace).pipeline_id
-                versions = client.list_pipeline_versions(pipeline_id, page_size=1, sort_by="created_at desc").pipeline_versions
+                pipeline_id = client.upload_pipeline(
+                    str(path), pipeline_name=PIPELINE_NAME, namespace=namespace
+                ).pipeline_id
+                versions = client.list_pipeline_versions(
+                    pipeline_id, page_size=1, sort_by="created_at desc"
+                ).pipeline_versions
                 version_id = versions[0].pipeline_version_id
             else:
                 name = f"{PIPELINE_NAME}-{time.strftime('%Y%m%d-%H%M%S')}"
-                version_id = client.upload_pipeline_version(str(path), name, pipeline_id=pipeline_id).pipeline_version_id
+                version_id = client.upload_pipeline_version(
+                    str(path), name, pipeline_id=pipeline_id
+                ).pipeline_version_id
         experiment = client.create_experiment(kfp_experiment, namespace=namespace)
         run = client.run_pipeline(
             experiment_id=experiment.experiment_id,
@@ -215,7 +227,12 @@ def submit(
     except (ApiException, HTTPError, OSError) as e:  # the server went away or refused a call: one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ParameterError("host", f"the KFP server at {host} failed: {first}") from e
-    return {"pipeline_id": pipeline_id, "version_id": version_id, "experiment_id": experiment.experiment_id, "run_id": run.run_id}
+    return {
+        "pipeline_id": pipeline_id,
+        "version_id": version_id,
+        "experiment_id": experiment.experiment_id,
+        "run_id": run.run_id,
+    }
 
 
 def _check_kfp_api(host: str, token: str | None) -> None:
@@ -235,13 +252,17 @@ def _check_kfp_api(host: str, token: str | None) -> None:
         with urllib.request.urlopen(request, timeout=10) as response:
             body = json.loads(response.read() or b"null")
     except urllib.error.HTTPError as e:
-        raise ParameterError("host", f"{host} is not a Kubeflow Pipelines API: GET {url} answered HTTP {e.code}") from None
+        raise ParameterError(
+            "host", f"{host} is not a Kubeflow Pipelines API: GET {url} answered HTTP {e.code}"
+        ) from None
     except (urllib.error.URLError, OSError) as e:
         raise ParameterError("host", f"cannot reach {host}: {getattr(e, 'reason', e)}") from None
     except ValueError:
         body = None
     if not isinstance(body, dict):
-        raise ParameterError("host", f"{host} is not a Kubeflow Pipelines API: GET {url} did not answer KFP's health JSON")
+        raise ParameterError(
+            "host", f"{host} is not a Kubeflow Pipelines API: GET {url} did not answer KFP's health JSON"
+        )
 
 
 def print_local_result(result: Mapping[str, Any]) -> None:
@@ -271,6 +292,9 @@ def print_local_result(result: Mapping[str, Any]) -> None:
         print(f"PyTorchJob:        {result['pytorchjob']} (as the emulated API server stored it)")
         print(f"pod logs:          {Path(result['pytorchjob']).parent / 'pods'}")
     print("next:")
-    print(f"  mlflow ui --backend-store-uri {redact_uri(result['tracking_uri'])}   # this run's curves, restarts and checkpoints")
+    print(
+        f"  mlflow ui --backend-store-uri {redact_uri(result['tracking_uri'])}   "
+        "# this run's curves, restarts and checkpoints"
+    )
     print("  make compare   # sync vs async checkpoints, with and without faults, in the comparison notebook")
     print("  docs/deployment.md   # build the image and start runs from the Kubeflow UI on a cluster")

@@ -50,7 +50,9 @@ def as_unprivileged(command: list[str]) -> list[str]:
         return command
     if not shutil.which("setpriv"):
         pytest.skip("root without setpriv: cannot drop privileges to check the refusal")
-    probe = subprocess.run([*NOBODY, sys.executable, "-m", "trainer.cli", "--help"], cwd=ROOT, capture_output=True, timeout=120)
+    probe = subprocess.run(
+        [*NOBODY, sys.executable, "-m", "trainer.cli", "--help"], cwd=ROOT, capture_output=True, timeout=120
+    )
     if probe.returncode:
         pytest.skip(f"an unprivileged user cannot read this checkout ({ROOT}, e.g. under a 0700 directory)")
     return [*NOBODY, *command]
@@ -76,7 +78,9 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def rfsdp(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run the real `rfsdp` CLI in a subprocess."""
-    return subprocess.run([sys.executable, "-m", "trainer.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def rfsdp_here(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
@@ -97,11 +101,17 @@ def rfsdp_here(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-def train(data: Path, run_dir: Path, *extra: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+def train(
+    data: Path, run_dir: Path, *extra: str, check: bool = True, timeout: float = 300
+) -> subprocess.CompletedProcess:
     """`rfsdp train` with the tiny model on 2 CPU workers."""
     proc = rfsdp("train", "--quiet", "--data", str(data), "--run-dir", str(run_dir), *extra, timeout=timeout)
     if check and proc.returncode != 0:
-        logs = "\n".join(p.read_text()[-3000:] for p in sorted((run_dir / "logs").glob("*.log"))) if (run_dir / "logs").exists() else ""
+        logs = (
+            "\n".join(p.read_text()[-3000:] for p in sorted((run_dir / "logs").glob("*.log")))
+            if (run_dir / "logs").exists()
+            else ""
+        )
         raise AssertionError(f"rfsdp train failed ({proc.returncode}):\n{proc.stderr[-3000:]}\n{logs}")
     return proc
 
@@ -112,7 +122,9 @@ def assert_nothing_of_the_run_left(run_dir: Path, *, within_s: float = 10) -> No
     command line, notices its rank gone only at its next 1 s poll, after ``rfsdp train`` exits.
     """
     deadline = time.monotonic() + within_s
-    while leftovers := subprocess.run(["pgrep", "-f", f"--run-dir {run_dir}"], capture_output=True, text=True).stdout.split():
+    while leftovers := subprocess.run(
+        ["pgrep", "-f", f"--run-dir {run_dir}"], capture_output=True, text=True
+    ).stdout.split():
         assert time.monotonic() < deadline, f"processes of {run_dir} left: {leftovers}"
         time.sleep(0.2)
 
@@ -163,9 +175,13 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     endpoint = f"http://{host}:{port}"
     none = str(tmp_path_factory.mktemp("aws") / "none")
     env = {
-        "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "rfsdp-test-key", "AWS_SECRET_ACCESS_KEY": S3_SECRET,
-        "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": none, "AWS_SHARED_CREDENTIALS_FILE": none,
-    }  # fmt: skip
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "rfsdp-test-key",
+        "AWS_SECRET_ACCESS_KEY": S3_SECRET,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_CONFIG_FILE": none,
+        "AWS_SHARED_CREDENTIALS_FILE": none,
+    }
     with pytest.MonkeyPatch.context() as mp:
         for key, value in env.items():
             mp.setenv(key, value)
@@ -204,12 +220,26 @@ class MlflowServer:
         import urllib.request
 
         cmd = [
-            sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
-            "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}", "--artifacts-destination", str(self.root / "artifacts"),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{self.root / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(self.root / "artifacts"),
+        ]
         with open(self.root / "server.log", "ab") as log:  # the child keeps its own copy of the descriptor
             # The session owns the server, also when a test restarts it: the test's reaper must spare it.
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=untagged_env())
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=untagged_env()
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

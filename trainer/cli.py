@@ -35,7 +35,9 @@ def _prepare_data(args: argparse.Namespace) -> int:
         text_field=args.text_field,
         train_tokenizer=args.train_tokenizer,
     )
-    splits = ", ".join(f"{k}: {v['tokens']:,} tokens in {len(v['shards'])} shard(s)" for k, v in manifest["splits"].items())
+    splits = ", ".join(
+        f"{k}: {v['tokens']:,} tokens in {len(v['shards'])} shard(s)" for k, v in manifest["splits"].items()
+    )
     print(
         f"prepared {args.out} ({splits}; tokenizer {manifest['tokenizer']}, vocab {manifest['vocab_size']:,}, "
         f"{manifest['dtype']}; {manifest['skipped_records']:,} record(s) without {manifest['text_field']!r} skipped)"
@@ -62,12 +64,18 @@ def _train(args: argparse.Namespace) -> int:
             end = latest_end(read_events(Path(cfg.run_dir), [RunStart, RunEnd]))
             if end is None or end.status != "preempted":
                 raise
-            print(f"rfsdp train: preempted at step {end.step}, checkpointed: the same command resumes it", file=sys.stderr)
+            print(
+                f"rfsdp train: preempted at step {end.step}, checkpointed: the same command resumes it", file=sys.stderr
+            )
             code = 0
     if code:
         logs = Path(cfg.run_dir) / "logs"
         if code == FATAL_EXIT_CODE and (fatal := fatal_error(read_events(Path(cfg.run_dir), [Fatal]))):
-            print(f"rfsdp train: stopped for good on rank {fatal.rank}, no restart can fix: {fatal.error}; logs in {logs}", file=sys.stderr)
+            print(
+                f"rfsdp train: stopped for good on rank {fatal.rank}, no restart can fix: "
+                f"{fatal.error}; logs in {logs}",
+                file=sys.stderr,
+            )
             return FATAL_EXIT_CODE
         print(f"rfsdp train: the job failed (exit code {code}); logs in {logs}", file=sys.stderr)
         return 1
@@ -96,7 +104,10 @@ def _tracking(args: argparse.Namespace, run_dir: Path) -> Iterator[None]:
         if (run_dir / EVENTS_FILE).is_file():
             try:
                 run_id = log_run(run_dir, tracking_uri=args.tracking_uri, experiment=args.experiment, retries=2)
-                print(f"rfsdp train: MLflow run {run_id} in {args.experiment!r} at {redact_uri(args.tracking_uri)}", file=sys.stderr)
+                print(
+                    f"rfsdp train: MLflow run {run_id} in {args.experiment!r} at {redact_uri(args.tracking_uri)}",
+                    file=sys.stderr,
+                )
             except (TrackingError, ValueError) as e:
                 print(f"rfsdp train: not logged to MLflow: {e}", file=sys.stderr)
 
@@ -149,8 +160,9 @@ def _export(args: argparse.Namespace) -> int:
     )
     tokenizer = ", with the data set's tokenizer" if result.tokenizer else ""
     print(
-        f"exported step {result.step} of {args.run_dir} to {result.out}: {result.kind} model, {result.tensors} tensors, "
-        f"{result.bytes:,} bytes of {result.dtype} weights; {len(result.files)} files{tokenizer}"
+        f"exported step {result.step} of {args.run_dir} to {result.out}: "
+        f"{result.kind} model, {result.tensors} tensors, {result.bytes:,} bytes of {result.dtype} weights; "
+        f"{len(result.files)} files{tokenizer}"
     )
     return 0
 
@@ -246,14 +258,21 @@ def _cluster(args: argparse.Namespace) -> int:
     # Its secrets hold this environment's credentials, as run-local's cluster does: the workers see the same ones.
     secrets = {name: {k: os.environ[k] for k in keys if k in os.environ} for name, keys in CREDENTIAL_SECRETS.items()}
     secrets = {name: data for name, data in secrets.items() if data}
-    with emulated_cluster(root / "state", namespace=args.namespace, claims={args.pvc_name: workspace}, secrets_data=secrets) as c:
+    with emulated_cluster(
+        root / "state", namespace=args.namespace, claims={args.pvc_name: workspace}, secrets_data=secrets
+    ) as c:
         print(f"emulated cluster at {c.url}, namespace {c.namespace} (deploy/rbac.yaml applied)")
         print(f"  export KUBECONFIG={c.admin_kubeconfig}    # an admin; the train step's own: {c.kubeconfig}")
         print(f"  claim {args.pvc_name} (mounted at {WORKSPACE_MOUNT}) is {workspace}")
         print("try:")
         print(f"  rfsdp prepare-data --out {workspace}/demo/data")
-        print("  rfsdp pipeline manifest --set training_run=demo --set nnodes=2 --set nproc_per_node=1 | kubectl apply -f -")
-        print("  kubectl get pytorchjobs,pods -w        # kubectl logs -f demo-worker-0, kubectl describe pytorchjob demo")
+        print(
+            "  rfsdp pipeline manifest --set training_run=demo --set nnodes=2 "
+            "--set nproc_per_node=1 | kubectl apply -f -"
+        )
+        print(
+            "  kubectl get pytorchjobs,pods -w        # kubectl logs -f demo-worker-0, kubectl describe pytorchjob demo"
+        )
         print("Ctrl-C stops the cluster and every pod.", flush=True)
         try:
             threading.Event().wait()
@@ -268,7 +287,10 @@ def _bench(args: argparse.Namespace) -> int:
 
     names = list(BENCHMARKS) if args.which == "all" else [args.which]
     soak: dict = {}
-    soak_options = (("--fault-every", "fault_every", check_fault_every), ("--ckpts-per-fault", "ckpts_per_fault", check_ckpts_per_fault))
+    soak_options = (
+        ("--fault-every", "fault_every", check_fault_every),
+        ("--ckpts-per-fault", "ckpts_per_fault", check_ckpts_per_fault),
+    )
     for flag, name, check in soak_options:
         value = getattr(args, name)
         if value is None:
@@ -316,94 +338,151 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--source",
         default=BUILTIN_CORPUS,
-        help="corpus: text, .jsonl or .parquet file, dir or s3:// prefix (default: the Python docs that ship with Python)",
+        help="corpus: text, .jsonl or .parquet file, dir or s3:// prefix "
+        "(default: the Python docs that ship with Python)",
     )
     p.add_argument("--out", required=True, help="output directory or s3://bucket/prefix for shards + manifest.json")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
-    p.add_argument("--tokenizer", help="Hugging Face tokenizer directory or tokenizer.json, local or s3:// (default: byte-level UTF-8)")
-    p.add_argument("--text-field", default="text", help="JSON lines field / Parquet column holding a record's text (default: text)")
     p.add_argument(
-        "--train-tokenizer", type=int, default=0, metavar="VOCAB_SIZE", help="train a byte-level BPE of this vocabulary size on the corpus"
+        "--tokenizer",
+        help="Hugging Face tokenizer directory or tokenizer.json, local or s3:// (default: byte-level UTF-8)",
+    )
+    p.add_argument(
+        "--text-field", default="text", help="JSON lines field / Parquet column holding a record's text (default: text)"
+    )
+    p.add_argument(
+        "--train-tokenizer",
+        type=int,
+        default=0,
+        metavar="VOCAB_SIZE",
+        help="train a byte-level BPE of this vocabulary size on the corpus",
     )
     p.set_defaults(func=_prepare_data)
 
     p = sub.add_parser(
         "train",
         help="run resilient FSDP training locally (ft_launcher per replica)",
-        epilog="example: rfsdp train --data work/data --run-dir work/run --steps 60 --fault exception@15:1,sigkill@30:0",
+        epilog="example: rfsdp train --data work/data --run-dir work/run --steps 60 "
+        "--fault exception@15:1,sigkill@30:0",
     )
     add_train_arguments(p, include_world=False)
     launch = LaunchSpec()
     p.add_argument("--nnodes", type=int, default=launch.nnodes, help="replicas (nodes)")
     p.add_argument("--nproc-per-node", type=int, default=launch.nproc_per_node, help="worker processes per replica")
     p.add_argument("--max-restarts", type=int, default=launch.max_restarts, help="in-job restarts ft_launcher may do")
-    p.add_argument("--netns", action="store_true", help="each replica on its own network-namespace host (root; replicas restart like pods)")
+    p.add_argument(
+        "--netns",
+        action="store_true",
+        help="each replica on its own network-namespace host (root; replicas restart like pods)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(
-        "--config", help="TOML (or .yaml) file of these options, keys in snake_case (steps = 60); options given here override it"
+        "--config",
+        help="TOML (or .yaml) file of these options, keys in snake_case (steps = 60); options given here override it",
     )
-    p.add_argument("--tracking-uri", help="MLflow tracking URI: the run is logged while it trains and when it ends (default: not logged)")
-    p.add_argument("--experiment", default=DEFAULT_EXPERIMENT, help="MLflow experiment, with --tracking-uri (default: %(default)s)")
+    p.add_argument(
+        "--tracking-uri",
+        help="MLflow tracking URI: the run is logged while it trains and when it ends (default: not logged)",
+    )
+    p.add_argument(
+        "--experiment", default=DEFAULT_EXPERIMENT, help="MLflow experiment, with --tracking-uri (default: %(default)s)"
+    )
     p.set_defaults(func=_train)
 
-    p = sub.add_parser("validate", help="prove a run's checkpoint is usable: JSON verdict; exit 0 valid, 1 invalid, 2 could not run")
-    p.add_argument("--run-dir", required=True, help="run directory with checkpoints/ and events.jsonl (or an s3:// --checkpoint-uri)")
+    p = sub.add_parser(
+        "validate", help="prove a run's checkpoint is usable: JSON verdict; exit 0 valid, 1 invalid, 2 could not run"
+    )
+    p.add_argument(
+        "--run-dir",
+        required=True,
+        help="run directory with checkpoints/ and events.jsonl (or an s3:// --checkpoint-uri)",
+    )
     p.add_argument("--step", type=int, help="validate this published checkpoint (default: the latest)")
     p.add_argument("--data", help="prepared data directory (default: the one the run recorded)")
-    p.add_argument("--fallback", action="store_true", help="when it is invalid, report the newest older checkpoint that is valid")
-    p.add_argument("--quality-margin", type=float, default=0.5, help="eval loss must be this much below the loss at initialization")
-    p.add_argument("--replay-steps", type=int, default=3, help="steps to resume from the checkpoint and compare with the run's losses")
+    p.add_argument(
+        "--fallback", action="store_true", help="when it is invalid, report the newest older checkpoint that is valid"
+    )
+    p.add_argument(
+        "--quality-margin", type=float, default=0.5, help="eval loss must be this much below the loss at initialization"
+    )
+    p.add_argument(
+        "--replay-steps",
+        type=int,
+        default=3,
+        help="steps to resume from the checkpoint and compare with the run's losses",
+    )
     p.add_argument("--markdown", help="also write the table of checks as Markdown to this file")
     p.set_defaults(func=_validate)
 
     p = sub.add_parser(
         "export",
         help="write a run's checkpoint as a model directory (Hugging Face for hf: models; docs/models.md)",
-        epilog="example: rfsdp export --run-dir work/run --out work/model  (then AutoModelForCausalLM.from_pretrained('work/model'))",
+        epilog="example: rfsdp export --run-dir work/run --out work/model  "
+        "(then AutoModelForCausalLM.from_pretrained('work/model'))",
     )
     p.add_argument("--run-dir", required=True, help="run directory with checkpoints/ (or an s3:// --checkpoint-uri)")
     p.add_argument("--step", type=int, help="export this published checkpoint (default: the latest)")
     p.add_argument("--out", required=True, help="a new or empty directory, or an empty s3://bucket/prefix")
-    p.add_argument("--data", help="prepared data directory whose tokenizer goes with the model (default: the one the run recorded)")
     p.add_argument(
-        "--max-shard-size", default="2GB", metavar="SIZE", help="most bytes per safetensors file of an hf: model (default: %(default)s)"
+        "--data", help="prepared data directory whose tokenizer goes with the model (default: the one the run recorded)"
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default="2GB",
+        metavar="SIZE",
+        help="most bytes per safetensors file of an hf: model (default: %(default)s)",
     )
     p.set_defaults(func=_export)
 
-    p = sub.add_parser("log-mlflow", help="log a run dir to MLflow (one run per run dir, idempotent); prints the run id")
+    p = sub.add_parser(
+        "log-mlflow", help="log a run dir to MLflow (one run per run dir, idempotent); prints the run id"
+    )
     p.add_argument("--run-dir", required=True, help="run directory with events.jsonl (or an s3:// --checkpoint-uri)")
-    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else sqlite in work/mlflow/)")
+    p.add_argument(
+        "--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else sqlite in work/mlflow/)"
+    )
     p.add_argument("--experiment", default=DEFAULT_EXPERIMENT, help="MLflow experiment name")
     p.add_argument("--validation", help="JSON file with the `rfsdp validate` verdict, logged as an artifact")
     p.add_argument("--tag", action="append", default=[], help="extra run tag KEY=VALUE (repeatable)")
-    p.add_argument("--retries", type=int, default=5, help="attempts to reach a tracking server (exponential backoff from 1 s)")
+    p.add_argument(
+        "--retries", type=int, default=5, help="attempts to reach a tracking server (exponential backoff from 1 s)"
+    )
     p.set_defaults(func=_log_mlflow)
 
-    p = sub.add_parser("pipeline", help="the Kubeflow pipeline: compile, run locally (kfp.local), submit, show the PyTorchJob")
+    p = sub.add_parser(
+        "pipeline", help="the Kubeflow pipeline: compile, run locally (kfp.local), submit, show the PyTorchJob"
+    )
     actions = p.add_subparsers(dest="action", required=True)
     a = actions.add_parser("compile", help="compile the pipeline to KFP IR YAML")
     a.add_argument("--out", default="resilient_fsdp_training.yaml", help="output file (its folder must exist)")
     a = actions.add_parser(
         "params",
         help="list the pipeline's parameters: type, default, description",
-        epilog="example: rfsdp pipeline params --yaml > params.yaml  (edit it, then: rfsdp pipeline run-local --params params.yaml)",
+        epilog="example: rfsdp pipeline params --yaml > params.yaml  "
+        "(edit it, then: rfsdp pipeline run-local --params params.yaml)",
     )
-    a.add_argument("--yaml", action="store_true", help="print a parameters file for --params: every parameter at its default")
+    a.add_argument(
+        "--yaml", action="store_true", help="print a parameters file for --params: every parameter at its default"
+    )
 
     a = actions.add_parser(
         "run-local",
-        help="run the whole pipeline locally with kfp.local (SubprocessRunner, this venv; backend=local, local MLflow); "
-        "backend=kubernetes runs the PyTorchJob on an emulated cluster (root)",
+        help="run the whole pipeline locally with kfp.local (SubprocessRunner, this venv; "
+        "backend=local, local MLflow); backend=kubernetes runs the PyTorchJob on an emulated cluster (root)",
         epilog="example: rfsdp pipeline run-local --params params.yaml --set fault=exception@15:1,sigkill@30:0",
     )
     _add_parameter_options(a)
     a.add_argument(
         "--root",
         default="work/pipeline",
-        help="local working directory: pipeline_root/ (every artifact), workspace/ (the shared volume), cluster/ (the emulated cluster), "
-        "steps.log (the steps' output)",
+        help="local working directory: pipeline_root/ (every artifact), workspace/ (the shared volume), "
+        "cluster/ (the emulated cluster), steps.log (the steps' output)",
     )
-    a.add_argument("--verbose", action="store_true", help="show the steps' own output (kfp.local's executor logs) instead of steps.log")
+    a.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the steps' own output (kfp.local's executor logs) instead of steps.log",
+    )
     a = actions.add_parser(
         "submit",
         help="upload the pipeline to a KFP server and start a run (token from KFP_TOKEN)",
@@ -424,28 +503,50 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "cluster",
-        help="the emulated Kubernetes cluster on its own (root): kubectl, the RBAC and `rfsdp pipeline manifest` work against it",
-        epilog="example: sudo rfsdp cluster up --root work/cluster   (then: export KUBECONFIG=work/cluster/state/admin.kubeconfig)",
+        help="the emulated Kubernetes cluster on its own (root): "
+        "kubectl, the RBAC and `rfsdp pipeline manifest` work against it",
+        epilog="example: sudo rfsdp cluster up --root work/cluster   "
+        "(then: export KUBECONFIG=work/cluster/state/admin.kubeconfig)",
     )
     p.add_argument("action", choices=["up"], help="up: start it and keep it up until Ctrl-C")
-    p.add_argument("--root", default="work/cluster", help="its folder: state/ (kubeconfigs, pod logs), workspace/ (the shared volume)")
+    p.add_argument(
+        "--root",
+        default="work/cluster",
+        help="its folder: state/ (kubeconfigs, pod logs), workspace/ (the shared volume)",
+    )
     p.add_argument("--namespace", default="default", help="where deploy/rbac.yaml is applied and the kubeconfigs point")
-    p.add_argument("--pvc-name", default="rfsdp-workspace", help="the claim the workspace folder stands for (the pipeline's pvc_name)")
+    p.add_argument(
+        "--pvc-name",
+        default="rfsdp-workspace",
+        help="the claim the workspace folder stands for (the pipeline's pvc_name)",
+    )
     p.set_defaults(func=_cluster)
 
-    p = sub.add_parser("bench", help="benchmarks against the alternatives (torch.save, dcp.async_save, torchrun restarts)")
-    p.add_argument("which", choices=["checkpoint", "recovery", "overhead", "goodput", "soak", "load", "all"], help="which benchmark to run")
+    p = sub.add_parser(
+        "bench", help="benchmarks against the alternatives (torch.save, dcp.async_save, torchrun restarts)"
+    )
+    p.add_argument(
+        "which",
+        choices=["checkpoint", "recovery", "overhead", "goodput", "soak", "load", "all"],
+        help="which benchmark to run",
+    )
     p.add_argument("--quick", action="store_true", help="everything sized down (a smoke run, not figures to quote)")
     p.add_argument("--json", type=Path, help="write the results (per method: medians and ratios) to this JSON file")
-    p.add_argument("--work", type=Path, help="scratch directory for data, checkpoints and run dirs (default: work/bench)")
     p.add_argument(
-        "--fault-every", type=float, metavar="SECONDS", help="soak only: seconds of training between faults (default: 60; --quick: 4)"
+        "--work", type=Path, help="scratch directory for data, checkpoints and run dirs (default: work/bench)"
+    )
+    p.add_argument(
+        "--fault-every",
+        type=float,
+        metavar="SECONDS",
+        help="soak only: seconds of training between faults (default: 60; --quick: 4)",
     )
     p.add_argument(
         "--ckpts-per-fault",
         type=int,
         metavar="N",
-        help="soak only: durable checkpoints between two faults (default: 12; fewer: durable saves as dear as at scale)",
+        help="soak only: durable checkpoints between two faults (default: 12; "
+        "fewer: durable saves as dear as at scale)",
     )
     p.add_argument(
         "--model",

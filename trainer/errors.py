@@ -20,11 +20,27 @@ REJOIN_EXIT_CODE = 5
 restarts it into the rendezvous, which waits for their replacements."""
 NON_TRANSIENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
 """OS errors whose cause is outside the job (a full disk, a read-only or forbidden path)."""
-TRANSIENT_ERRNOS = frozenset({
-    errno.EIO, errno.EAGAIN, errno.EBUSY, errno.EINTR, errno.ETIMEDOUT, errno.ESTALE, errno.EPIPE, errno.ECONNRESET,
-    errno.ECONNREFUSED, errno.ECONNABORTED, errno.EHOSTUNREACH, errno.EHOSTDOWN, errno.ENETUNREACH, errno.ENETDOWN,
-    errno.ENETRESET, errno.ENOLINK, errno.ECOMM,
-})  # fmt: skip
+TRANSIENT_ERRNOS = frozenset(
+    {
+        errno.EIO,
+        errno.EAGAIN,
+        errno.EBUSY,
+        errno.EINTR,
+        errno.ETIMEDOUT,
+        errno.ESTALE,
+        errno.EPIPE,
+        errno.ECONNRESET,
+        errno.ECONNREFUSED,
+        errno.ECONNABORTED,
+        errno.EHOSTUNREACH,
+        errno.EHOSTDOWN,
+        errno.ENETUNREACH,
+        errno.ENETDOWN,
+        errno.ENETRESET,
+        errno.ENOLINK,
+        errno.ECOMM,
+    }
+)
 """OS errors of a storage or network path that a retry may not meet again (a volume or link that
 hiccupped): an infrastructure fault, never taken for a bug (``trainer.rank.failures``)."""
 

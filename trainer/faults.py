@@ -39,13 +39,25 @@ RANK_KINDS = {
     "sigkill": "the rank is killed (in-job restart)",
     "hang": "the rank blocks inside C (hang detection, in-job restart)",
     "exit": f"the rank exits with code {EXIT_CODE} (in-job restart)",
-    "sigterm": "the rank's container is preempted (every rank checkpoints; the run ends when every node is, else goes on)",
+    "sigterm": (
+        "the rank's container is preempted (every rank checkpoints; the run ends when every node is, else goes on)"
+    ),
     "corrupt-event": "the rank appends a torn line (no newline, not UTF-8) to events.jsonl (skipped and reported)",
     "enospc": "the rank's next write fails: disk full (the job ends with a fatal event)",
-    "corrupt-local": "the rank flips a byte of its newest local snapshot, then raises (in-process restart skips that snapshot)",
-    "lose-save": "with /PHASE: the save's unpublished folder is deleted under it (that save fails; a final one fails the run)",
-    "bug": "the step raises the same exception every time it is reached (a bug: one retry, then the job ends with a fatal event)",
-    "nan": "the rank's parameters turn NaN, so the step's loss does, every time (a bug: no checkpoint after it is published)",
+    "corrupt-local": (
+        "the rank flips a byte of its newest local snapshot, then raises (in-process restart skips that snapshot)"
+    ),
+    "lose-save": (
+        "with /PHASE: the save's unpublished folder is deleted under it (that save fails; a final one fails the run)"
+    ),
+    "bug": (
+        "the step raises the same exception every time it is reached "
+        "(a bug: one retry, then the job ends with a fatal event)"
+    ),
+    "nan": (
+        "the rank's parameters turn NaN, so the step's loss does, every time "
+        "(a bug: no checkpoint after it is published)"
+    ),
 }
 EVERY_TIME = frozenset({"bug", "nan"})
 """Kinds that fire each time their step is reached, not once per run."""
@@ -54,7 +66,9 @@ NODE_KINDS = {
     "partition": "partition@STEP:NODE:SECONDS, the host is cut off for SECONDS (--netns)",
 }
 FAULT_KINDS = {**RANK_KINDS, **NODE_KINDS}
-_SPEC = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?:/(?P<phase>[a-z]+))?(?::(?P<rank>\d+))?(?::(?P<seconds>\d+(?:\.\d+)?))?$")
+_SPEC = re.compile(
+    r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?:/(?P<phase>[a-z]+))?(?::(?P<rank>\d+))?(?::(?P<seconds>\d+(?:\.\d+)?))?$"
+)
 FAULTS_DIR = "faults"
 
 
@@ -113,7 +127,10 @@ def parse_fault_spec(spec: str, *, steps: int, world_size: int, nnodes: int | No
     for item in filter(None, (s.strip() for s in spec.split(","))):
         m = _SPEC.match(item)
         if not m:
-            raise ParameterError("fault", f"{item!r} is not KIND@STEP[/PHASE][:RANK] or node-loss@STEP:NODE or partition@STEP:NODE:SECONDS")
+            raise ParameterError(
+                "fault",
+                f"{item!r} is not KIND@STEP[/PHASE][:RANK] or node-loss@STEP:NODE or partition@STEP:NODE:SECONDS",
+            )
         kind, step, target, phase = m["kind"], int(m["step"]), int(m["rank"] or 0), m["phase"] or ""
         if kind not in FAULT_KINDS:
             raise ParameterError("fault", f"unknown kind {kind!r} in {item!r} (known: {', '.join(FAULT_KINDS)})")
@@ -121,12 +138,19 @@ def parse_fault_spec(spec: str, *, steps: int, world_size: int, nnodes: int | No
             raise ParameterError("fault", f"step {step} in {item!r} is outside the run (1..{steps})")
         # Which fault a recovery answers would be a race; sigterms on several ranks at once
         # preempt their nodes together (the whole job, when they cover every node), which ends no race.
-        together = kind == "sigterm" and not phase and at_step.get(step, "").startswith("sigterm@") and "/" not in at_step[step]
+        together = (
+            kind == "sigterm"
+            and not phase
+            and at_step.get(step, "").startswith("sigterm@")
+            and "/" not in at_step[step]
+        )
         if step in at_step and not together:
             raise ParameterError("fault", f"{at_step[step]} and {item} are both at step {step}: one fault per step")
         at_step[step] = item
         if phase and (kind not in RANK_KINDS or phase not in SAVE_PHASES):
-            raise ParameterError("fault", f"{item!r}: /PHASE is one of {', '.join(SAVE_PHASES)}, for {', '.join(RANK_KINDS)}")
+            raise ParameterError(
+                "fault", f"{item!r}: /PHASE is one of {', '.join(SAVE_PHASES)}, for {', '.join(RANK_KINDS)}"
+            )
         if phase and kind in EVERY_TIME:
             raise ParameterError("fault", f"{item!r}: {kind} fires at the start of its step and takes no /PHASE")
         if kind in RANK_KINDS:
@@ -153,7 +177,9 @@ def claim_fault(run_dir: Path, key: str) -> bool:
     marker_dir = Path(run_dir) / FAULTS_DIR
     marker_dir.mkdir(exist_ok=True)
     try:
-        os.close(os.open(marker_dir / key.replace("/", "%"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))  # a save phase's "/"
+        os.close(
+            os.open(marker_dir / key.replace("/", "%"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        )  # a save phase's "/"
     except FileExistsError:
         return False
     return True
@@ -272,7 +298,9 @@ class NodeFaultInjector:
                 self.control.set_link(fault.node, up=False)
                 self.heal_at[fault.node] = time.monotonic() + fault.seconds
             # Written once the fault is in place: what happens after the event happens under it.
-            self.events.emit(FaultFired(kind=fault.kind, step=completed_step + 1, node=fault.node, seconds=fault.seconds))
+            self.events.emit(
+                FaultFired(kind=fault.kind, step=completed_step + 1, node=fault.node, seconds=fault.seconds)
+            )
 
     def tick(self) -> None:
         """Bring back the links whose partition is over."""

@@ -46,7 +46,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("cluster")
     (root / "pvc").mkdir()
     claims = {"rfsdp-workspace": root / "pvc", "scratch": root / "pvc"}
-    with emulated_cluster(root / "state", claims=claims, secrets_data={"creds": {"TOKEN": "s3cret"}}, restart_backoff_s=0.2) as c:
+    with emulated_cluster(
+        root / "state", claims=claims, secrets_data={"creds": {"TOKEN": "s3cret"}}, restart_backoff_s=0.2
+    ) as c:
         yield c
 
 
@@ -68,7 +70,13 @@ def admin(cluster: Cluster) -> tuple[k8s.CustomObjectsApi, k8s.CoreV1Api]:
 
 
 def tiny_job(
-    name: str, script: str = "", *, claim: str = "missing", restart_policy: str = "OnFailure", replicas: int = 1, **run_policy
+    name: str,
+    script: str = "",
+    *,
+    claim: str = "missing",
+    restart_policy: str = "OnFailure",
+    replicas: int = 1,
+    **run_policy,
 ) -> dict:  # noqa: ANN003
     """A PyTorchJob whose pods run ``python -c script``. With the default claim (one the cluster
     lacks) its pods stay Pending and no process starts: the API tests need none.
@@ -80,7 +88,12 @@ def tiny_job(
         "ports": [{"name": "pytorchjob-port", "containerPort": 29400, "protocol": "TCP"}],
         "volumeMounts": [{"name": "scratch", "mountPath": "/mnt/scratch"}],
     }
-    pod = {"spec": {"containers": [container], "volumes": [{"name": "scratch", "persistentVolumeClaim": {"claimName": claim}}]}}
+    pod = {
+        "spec": {
+            "containers": [container],
+            "volumes": [{"name": "scratch", "persistentVolumeClaim": {"claimName": claim}}],
+        }
+    }
     pod["spec"]["terminationGracePeriodSeconds"] = 5
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
@@ -129,9 +142,15 @@ def test_create_twice_is_409_already_exists(cluster: Cluster) -> None:
     stored = cluster.stored(PLURAL, NS, "dup")
     assert stored["metadata"]["uid"] and stored["metadata"]["resourceVersion"] and stored["metadata"]["generation"] == 1
     # Its pod waits for the claim it names, as on a cluster without it: the job stays Created.
-    wait_for(lambda: (cluster.stored("pods", NS, "dup-worker-0") or {}).get("status", {}).get("conditions"), what="the pod's condition")
+    wait_for(
+        lambda: (cluster.stored("pods", NS, "dup-worker-0") or {}).get("status", {}).get("conditions"),
+        what="the pod's condition",
+    )
     pod = cluster.stored("pods", NS, "dup-worker-0")
-    assert pod["status"]["phase"] == "Pending" and pod["status"]["conditions"][0]["message"] == 'persistentvolumeclaim "missing" not found'
+    assert (
+        pod["status"]["phase"] == "Pending"
+        and pod["status"]["conditions"][0]["message"] == 'persistentvolumeclaim "missing" not found'
+    )
     assert conditions(cluster.stored(PLURAL, NS, "dup")) == ["Created"]
 
 
@@ -151,7 +170,10 @@ def test_the_crd_schema_prunes_defaults_and_refuses(cluster: Cluster) -> None:
     assert code == 201 and 'unknown field \\"spec.runPolicy.backofLimit\\"' in headers["Warning"]
     stored = cluster.stored(PLURAL, NS, "typo")
     assert stored["spec"]["runPolicy"] == {"cleanPodPolicy": "None", "suspend": False}
-    assert stored["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["ports"][0]["protocol"] == "TCP"
+    assert (
+        stored["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["ports"][0]["protocol"]
+        == "TCP"
+    )
     wrong = tiny_job("wrong-type")
     wrong["spec"]["runPolicy"]["backoffLimit"] = "3"
     with pytest.raises(k8s.ApiException) as excinfo:
@@ -174,7 +196,9 @@ def test_rbac_refuses_what_the_role_does_not_grant(cluster: Cluster) -> None:
         lambda: jobs.list_namespaced_custom_object(GROUP, VERSION, NS, PLURAL),  # list: the step never lists jobs
         lambda: core.read_namespaced_pod("any", NS),
         lambda: core.delete_namespaced_pod("any", NS),
-        lambda: jobs.create_namespaced_custom_object(GROUP, VERSION, "team-b", PLURAL, tiny_job("elsewhere")),  # another namespace
+        lambda: jobs.create_namespaced_custom_object(
+            GROUP, VERSION, "team-b", PLURAL, tiny_job("elsewhere")
+        ),  # another namespace
     ]
     for call in refused:
         with pytest.raises(k8s.ApiException) as excinfo:
@@ -182,7 +206,10 @@ def test_rbac_refuses_what_the_role_does_not_grant(cluster: Cluster) -> None:
         code, status = api_error(excinfo)
         assert (code, status["kind"], status["reason"]) == (403, "Status", "Forbidden")
         assert f'User "{cluster.service_account}" cannot' in status["message"]
-    assert 'cannot create resource "pytorchjobs" in API group "kubeflow.org" in the namespace "team-b"' in status["message"]
+    assert (
+        'cannot create resource "pytorchjobs" in API group "kubeflow.org" in the namespace "team-b"'
+        in status["message"]
+    )
 
 
 def test_label_selectors_and_namespaces(cluster: Cluster) -> None:
@@ -218,7 +245,8 @@ shm = os.statvfs("/dev/shm")
 print(json.dumps({
     "argv": __import__("sys").argv[1:], "hostname": socket.gethostname(), "cwd": os.getcwd(),
     "peers": [socket.gethostbyname(f"probe-worker-{i}") for i in range(2)],
-    "env": {k: v for k, v in os.environ.items() if k.startswith(("PET_", "MASTER", "TOKEN", "GREETING", "PYTHONUNBUFFERED"))},
+    "env": {k: v for k, v in os.environ.items() \
+if k.startswith(("PET_", "MASTER", "TOKEN", "GREETING", "PYTHONUNBUFFERED"))},
     "claim": open("/mnt/scratch/probe-marker").read(), "secret": open("/mnt/secret/TOKEN").read(),
     "shm_bytes": shm.f_blocks * shm.f_frsize,
 }), flush=True)
@@ -236,7 +264,10 @@ def test_a_pod_runs_its_container_as_the_operator_and_kubelet_would(cluster: Clu
     # An env value sees envFrom and the variables before it (not the operator's, appended after it).
     container["env"] = [{"name": "GREETING", "value": "hi-$(TOKEN)-$(PET_NNODES)"}]
     container["envFrom"] = [{"secretRef": {"name": "creds"}}, {"secretRef": {"name": "absent", "optional": True}}]
-    container["volumeMounts"] += [{"name": "secret", "mountPath": "/mnt/secret"}, {"name": "dshm", "mountPath": "/dev/shm"}]
+    container["volumeMounts"] += [
+        {"name": "secret", "mountPath": "/mnt/secret"},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
     pod["volumes"] += [
         {"name": "secret", "secret": {"secretName": "creds"}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Mi"}},
@@ -244,17 +275,24 @@ def test_a_pod_runs_its_container_as_the_operator_and_kubelet_would(cluster: Clu
     (Path(cluster.kubeconfig).parent.parent / "pvc" / "probe-marker").write_text("on the claim")
     jobs.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, job)
     wait_for(lambda: "Succeeded" in conditions(cluster.stored(PLURAL, NS, "probe")), what="the probe to finish")
-    seen = [json.loads(core.read_namespaced_pod_log(f"probe-worker-{i}", NS, _preload_content=False).data) for i in range(2)]
+    seen = [
+        json.loads(core.read_namespaced_pod_log(f"probe-worker-{i}", NS, _preload_content=False).data) for i in range(2)
+    ]
     pods = [cluster.stored("pods", NS, f"probe-worker-{i}") for i in range(2)]
     for i, (out, stored) in enumerate(zip(seen, pods, strict=True)):
         assert out["argv"] == ["hi-s3cret-$(PET_NNODES)", "2:2", "$(GREETING)"]  # $(VAR) expanded, $$ escaped
         assert out["hostname"] == f"probe-worker-{i}" and out["cwd"] != os.getcwd()
         assert out["peers"] == [p["status"]["podIP"] for p in pods]  # the job's service names resolve
         assert out["env"] == {
-            "GREETING": "hi-s3cret-$(PET_NNODES)", "TOKEN": "s3cret", "PYTHONUNBUFFERED": "1",
-            "PET_RDZV_ENDPOINT": "probe-worker-0:29400", "PET_RDZV_BACKEND": "c10d", "PET_NNODES": "2:2",
-            "PET_MAX_RESTARTS": "3", "PET_NPROC_PER_NODE": "1",
-        }  # fmt: skip
+            "GREETING": "hi-s3cret-$(PET_NNODES)",
+            "TOKEN": "s3cret",
+            "PYTHONUNBUFFERED": "1",
+            "PET_RDZV_ENDPOINT": "probe-worker-0:29400",
+            "PET_RDZV_BACKEND": "c10d",
+            "PET_NNODES": "2:2",
+            "PET_MAX_RESTARTS": "3",
+            "PET_NPROC_PER_NODE": "1",
+        }
         assert (out["claim"], out["secret"], out["shm_bytes"]) == ("on the claim", "s3cret", 32 * 2**20)
         assert stored["metadata"]["labels"]["training.kubeflow.org/replica-index"] == str(i)
         assert stored["metadata"]["ownerReferences"][0]["uid"] == cluster.stored(PLURAL, NS, "probe")["metadata"]["uid"]
@@ -281,21 +319,32 @@ def test_restart_policies_and_backoff_limit(cluster: Cluster) -> None:
         GROUP, VERSION, NS, PLURAL, tiny_job("doomed", "import sys; sys.exit(2)", claim="scratch", backoffLimit=2)
     )
     for name in ("flaky", "exitcode", "doomed"):
-        wait_for(lambda n=name: {"Succeeded", "Failed"} & set(conditions(cluster.stored(PLURAL, NS, n))), what=f"{name} to finish")
+        wait_for(
+            lambda n=name: {"Succeeded", "Failed"} & set(conditions(cluster.stored(PLURAL, NS, n))),
+            what=f"{name} to finish",
+        )
     flaky = cluster.stored(PLURAL, NS, "flaky")
-    assert conditions(flaky) == ["Created", "Succeeded"] and flaky["status"]["replicaStatuses"]["Worker"]["succeeded"] == 1
+    assert (
+        conditions(flaky) == ["Created", "Succeeded"] and flaky["status"]["replicaStatuses"]["Worker"]["succeeded"] == 1
+    )
     pod = core.read_namespaced_pod_status("flaky-worker-0", NS).status
     assert pod.phase == "Succeeded" and pod.container_statuses[0].restart_count == 1
     assert pod.container_statuses[0].last_state.terminated.exit_code == 3
     exitcode = cluster.stored(PLURAL, NS, "exitcode")
     assert conditions(exitcode) == ["Created", "Failed"]
-    assert exitcode["status"]["conditions"][-1]["message"] == "PyTorchJob exitcode is failed because 1 Worker replica(s) failed."
+    assert (
+        exitcode["status"]["conditions"][-1]["message"]
+        == "PyTorchJob exitcode is failed because 1 Worker replica(s) failed."
+    )
     assert (Path(cluster.kubeconfig).parent.parent / "pvc" / "exitcode").read_text() == "2"  # ran twice: 137, then 1
-    assert core.read_namespaced_pod("exitcode-worker-0", NS).spec.restart_policy == "Never"  # the operator restarts, not the kubelet
+    assert (
+        core.read_namespaced_pod("exitcode-worker-0", NS).spec.restart_policy == "Never"
+    )  # the operator restarts, not the kubelet
     doomed = cluster.stored(PLURAL, NS, "doomed")
     assert doomed["status"]["conditions"][-1]["reason"] == "PyTorchJobFailed"
     assert (
-        doomed["status"]["conditions"][-1]["message"] == "PyTorchJob doomed has failed because it has reached the specified backoff limit"
+        doomed["status"]["conditions"][-1]["message"]
+        == "PyTorchJob doomed has failed because it has reached the specified backoff limit"
     )
 
 
@@ -303,7 +352,9 @@ def test_clean_pod_policy_and_ttl(cluster: Cluster) -> None:
     jobs, _ = admin(cluster)
     kept = tiny_job("brief", "print('done')", claim="scratch", cleanPodPolicy="All", ttlSecondsAfterFinished=3600)
     jobs.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, kept)
-    wait_for(lambda: "Succeeded" in conditions(cluster.stored(PLURAL, NS, "brief")), what="brief to succeed")  # kept for its TTL
+    wait_for(
+        lambda: "Succeeded" in conditions(cluster.stored(PLURAL, NS, "brief")), what="brief to succeed"
+    )  # kept for its TTL
     wait_for(lambda: cluster.stored("pods", NS, "brief-worker-0") is None, what="cleanPodPolicy All to delete the pod")
     # OnFailure without a backoff limit: only success ends the job, then its TTL of 0 deletes it.
     marker = "import pathlib; pathlib.Path('/mnt/scratch/expired').write_text('ran')"
@@ -311,11 +362,15 @@ def test_clean_pod_policy_and_ttl(cluster: Cluster) -> None:
         GROUP, VERSION, NS, PLURAL, tiny_job("expired", marker, claim="scratch", ttlSecondsAfterFinished=0)
     )
     wait_for(lambda: cluster.stored(PLURAL, NS, "expired") is None, what="the TTL to delete the job")
-    wait_for(lambda: cluster.stored("pods", NS, "expired-worker-0") is None, what="the garbage collector to delete its pod")
+    wait_for(
+        lambda: cluster.stored("pods", NS, "expired-worker-0") is None, what="the garbage collector to delete its pod"
+    )
     assert (Path(cluster.kubeconfig).parent.parent / "pvc" / "expired").read_text() == "ran"
 
 
-def test_the_step_creates_follows_cancels_and_uses_exactly_the_roles_verbs(cluster: Cluster, capsys: pytest.CaptureFixture) -> None:
+def test_the_step_creates_follows_cancels_and_uses_exactly_the_roles_verbs(
+    cluster: Cluster, capsys: pytest.CaptureFixture
+) -> None:
     """run_pytorchjob (the step's code) to success, and cancelled: the job is deleted gracefully
     (its pod gets SIGTERM and exits through its handler; the job is 404 once the pod is gone) and
     the ServiceAccount used every verb of the Role and nothing else."""
@@ -404,7 +459,9 @@ def test_a_rerun_deletes_the_ended_job_of_its_name_and_refuses_a_live_one(cluste
 
     live = as_model(tiny_job("busy"))  # its pod waits for a claim the cluster lacks: it never ends
     step_client(cluster).create_job(job=live, namespace=NS)
-    with pytest.raises(JobFailed, match=f"PyTorchJob {NS}/busy is still running with another spec: wait for it to end, or delete it"):
+    with pytest.raises(
+        JobFailed, match=f"PyTorchJob {NS}/busy is still running with another spec: wait for it to end, or delete it"
+    ):
         run_pytorchjob(live, training_client=step_client(cluster), poll_s=1, timeout_s=60, log=lines.append)
     assert cluster.stored(PLURAL, NS, "busy") is not None
 
@@ -430,7 +487,9 @@ def test_a_retried_step_follows_the_job_it_made_instead_of_starting_another(clus
     script = "import time; print('up', flush=True); time.sleep(8); print('done', flush=True)"
     manifest = tiny_job("retried", script, claim="scratch")
     _, core = admin(cluster)
-    first = subprocess.Popen([sys.executable, "-c", _FIRST_STEP, str(cluster.kubeconfig), json.dumps(manifest), NS], cwd=ROOT)
+    first = subprocess.Popen(
+        [sys.executable, "-c", _FIRST_STEP, str(cluster.kubeconfig), json.dumps(manifest), NS], cwd=ROOT
+    )
     try:
         wait_for(lambda: "up" in _log(core, "retried-worker-0"), what="the job's pod to run")
     finally:
@@ -439,7 +498,9 @@ def test_a_retried_step_follows_the_job_it_made_instead_of_starting_another(clus
     uid = cluster.stored(PLURAL, NS, "retried")["metadata"]["uid"]
     pod_uid = cluster.stored("pods", NS, "retried-worker-0")["metadata"]["uid"]
     lines: list[str] = []
-    final = run_pytorchjob(as_model(manifest), training_client=step_client(cluster), poll_s=1, timeout_s=120, log=lines.append)
+    final = run_pytorchjob(
+        as_model(manifest), training_client=step_client(cluster), poll_s=1, timeout_s=120, log=lines.append
+    )
     assert conditions(final)[-1] == "Succeeded" and final["metadata"]["uid"] == uid
     assert lines[0] == f"following PyTorchJob {NS}/retried, which this step created before it was retried", lines
     pod = cluster.stored("pods", NS, "retried-worker-0")
@@ -457,12 +518,20 @@ def test_a_job_deleted_by_someone_else_fails_the_step(cluster: Cluster) -> None:
     threading.Thread(target=delete_once_up, daemon=True).start()
     job = as_model(tiny_job("vanishing", "import time; print('up', flush=True); time.sleep(600)", claim="scratch"))
     lines: list[str] = []
-    with pytest.raises(JobFailed, match=f"^PyTorchJob {NS}/vanishing was deleted while it ran \\(its events are above\\)$"):
+    with pytest.raises(
+        JobFailed, match=f"^PyTorchJob {NS}/vanishing was deleted while it ran \\(its events are above\\)$"
+    ):
         run_pytorchjob(job, training_client=step_client(cluster), poll_s=1, timeout_s=60, log=lines.append)
-    events = next(line for line in lines if line.startswith(f"--- events of PyTorchJob {NS}/vanishing")).splitlines()[1:]
-    assert any("SuccessfulCreatePod" in e for e in events) and any("Started" in e and "pod/vanishing-worker-0" in e for e in events)
+    events = next(line for line in lines if line.startswith(f"--- events of PyTorchJob {NS}/vanishing")).splitlines()[
+        1:
+    ]
+    assert any("SuccessfulCreatePod" in e for e in events) and any(
+        "Started" in e and "pod/vanishing-worker-0" in e for e in events
+    )
     assert not any(line.startswith("could not delete") for line in lines), lines  # gone already: nothing to delete
-    wait_for(lambda: cluster.stored("pods", NS, "vanishing-worker-0") is None, what="the garbage collector to delete its pod")
+    wait_for(
+        lambda: cluster.stored("pods", NS, "vanishing-worker-0") is None, what="the garbage collector to delete its pod"
+    )
 
 
 def _log(core: k8s.CoreV1Api, pod: str) -> str:
@@ -490,7 +559,9 @@ def test_run_local_runs_the_whole_pipeline_through_the_emulated_cluster(tmp_path
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, SIGNING_KEY_ENV: key}
     root = tmp_path / "root"
     cli = [sys.executable, "-m", "trainer.cli", "pipeline"]
-    proc = subprocess.run([*cli, "run-local", "--root", str(root), *sets], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [*cli, "run-local", "--root", str(root), *sets], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
 
     stored = yaml.safe_load((root / "cluster" / "e2e.pytorchjob.yaml").read_text())
@@ -533,7 +604,14 @@ def test_a_preempted_pytorchjob_fails_the_train_step_and_is_logged_failed(tmp_pa
     with that reason (never a FINISHED, validated partial model)."""
     import mlflow
 
-    settings = ["backend=kubernetes", "training_run=preempted", "nnodes=2", "nproc_per_node=1", "steps=12", "ckpt_every=4"]
+    settings = [
+        "backend=kubernetes",
+        "training_run=preempted",
+        "nnodes=2",
+        "nproc_per_node=1",
+        "steps=12",
+        "ckpt_every=4",
+    ]
     settings += ["fault=sigterm@6:0,sigterm@6:1", "hang_timeout=6"]
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     sets = [arg for s in settings for arg in ("--set", s)]
@@ -546,7 +624,10 @@ def test_a_preempted_pytorchjob_fails_the_train_step_and_is_logged_failed(tmp_pa
     client = mlflow.MlflowClient(tracking_uri=uri)
     (run,) = client.search_runs([client.get_experiment_by_name("resilient-fsdp").experiment_id])
     assert run.info.status == "FAILED" and run.data.tags["rfsdp.failed_step"] == "train"
-    assert run.data.tags["rfsdp.failure_reason"] == "RuntimeError: preempted at step 6; start a run with training_run=preempted to resume"
+    assert (
+        run.data.tags["rfsdp.failure_reason"]
+        == "RuntimeError: preempted at step 6; start a run with training_run=preempted to resume"
+    )
 
 
 def test_an_evicted_worker_pod_checkpoints_and_the_job_resumes_in_its_replacement(tmp_path: Path) -> None:
@@ -556,7 +637,14 @@ def test_an_evicted_worker_pod_checkpoints_and_the_job_resumes_in_its_replacemen
     elastic job). Worker 0's ranks wait in the rendezvous: its container never restarts. The
     operator recreates worker 1 and the job resumes from that step, losing none, and succeeds.
     """
-    settings = ["backend=kubernetes", "training_run=evicted", "nnodes=2", "nproc_per_node=1", "steps=150", "ckpt_every=50"]
+    settings = [
+        "backend=kubernetes",
+        "training_run=evicted",
+        "nnodes=2",
+        "nproc_per_node=1",
+        "steps=150",
+        "ckpt_every=50",
+    ]
     settings += ["hang_timeout=6"]
     sets = [arg for s in settings for arg in ("--set", s)]
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
@@ -567,7 +655,9 @@ def test_an_evicted_worker_pod_checkpoints_and_the_job_resumes_in_its_replacemen
         try:
             wait_for(lambda: any(e.step >= 5 for e in select(read_events(run), Step)), timeout=300, what="step 5")
             kubectl = {**env, "KUBECONFIG": str(root / "cluster" / "admin.kubeconfig"), "HOME": str(tmp_path)}
-            subprocess.run(["kubectl", "delete", "pod", "evicted-worker-1", "--wait=false"], env=kubectl, check=True, timeout=60)
+            subprocess.run(
+                ["kubectl", "delete", "pod", "evicted-worker-1", "--wait=false"], env=kubectl, check=True, timeout=60
+            )
             out, _ = proc.communicate(timeout=600)
         finally:
             proc.kill()

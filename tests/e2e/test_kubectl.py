@@ -84,10 +84,14 @@ def rows(output: str) -> list[list[str]]:
     return [line.split() for line in output.splitlines() if line.strip()]
 
 
-def request(cluster: Cluster, path: str, *, token: bool = True, method: str = "GET", body: bytes | None = None) -> tuple[int, dict]:
+def request(
+    cluster: Cluster, path: str, *, token: bool = True, method: str = "GET", body: bytes | None = None
+) -> tuple[int, dict]:
     """One request to the API server with the admin's token, verifying it with the cluster's CA."""
     config = yaml.safe_load(cluster.admin_kubeconfig.read_text())
-    req = urllib.request.Request(cluster.url + path, data=body, method=method, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        cluster.url + path, data=body, method=method, headers={"Content-Type": "application/json"}
+    )
     if token:
         req.add_header("Authorization", f"Bearer {config['users'][0]['user']['token']}")
     try:
@@ -148,12 +152,33 @@ def test_apply_and_get_tables_wide_yaml_jsonpath_and_selectors(cluster: Cluster)
             break
         time.sleep(0.1)
     assert pods[0] == ["NAME", "READY", "STATUS", "RESTARTS", "AGE"]
-    assert [p[:4] for p in pods[1:]] == [["idle-worker-0", "0/1", "Pending", "0"], ["idle-worker-1", "0/1", "Pending", "0"]]
+    assert [p[:4] for p in pods[1:]] == [
+        ["idle-worker-0", "0/1", "Pending", "0"],
+        ["idle-worker-1", "0/1", "Pending", "0"],
+    ]
     wide = kubectl(cluster, "get", "pods", "-o", "wide", "-l", "training.kubeflow.org/job-name=idle").stdout
-    assert rows(wide)[0] == ["NAME", "READY", "STATUS", "RESTARTS", "AGE", "IP", "NODE", "NOMINATED", "NODE", "READINESS", "GATES"]
+    assert rows(wide)[0] == [
+        "NAME",
+        "READY",
+        "STATUS",
+        "RESTARTS",
+        "AGE",
+        "IP",
+        "NODE",
+        "NOMINATED",
+        "NODE",
+        "READINESS",
+        "GATES",
+    ]
     assert rows(wide)[1][5] == "127.10.0.1"
     one = kubectl(
-        cluster, "get", "pods", "-l", "training.kubeflow.org/job-name=idle,training.kubeflow.org/replica-index in (1)", "-o", "name"
+        cluster,
+        "get",
+        "pods",
+        "-l",
+        "training.kubeflow.org/job-name=idle,training.kubeflow.org/replica-index in (1)",
+        "-o",
+        "name",
     )
     assert one.stdout.split() == ["pod/idle-worker-1"]
     pending = kubectl(cluster, "get", "pods", "--field-selector", "status.phase=Pending", "-o", "name").stdout.split()
@@ -178,12 +203,19 @@ def test_apply_validates_strictly_on_the_server(cluster: Cluster) -> None:
     wrong = job("wrong")
     wrong["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] = "two"
     done = apply(cluster, wrong, check=False)
-    assert done.returncode == 1 and "is invalid" in done.stderr and "spec.pytorchReplicaSpecs.Worker.replicas" in done.stderr
+    assert (
+        done.returncode == 1
+        and "is invalid" in done.stderr
+        and "spec.pytorchReplicaSpecs.Worker.replicas" in done.stderr
+    )
     assert kubectl(cluster, "get", "pytorchjob", "typo", check=False).returncode == 1
     odd = job("odd")
     odd["spec"]["pytorchReplicaSpecs"]["Chief"] = odd["spec"]["pytorchReplicaSpecs"].pop("Worker")
     done = apply(cluster, odd, check=False)
-    assert done.returncode == 1 and 'admission webhook "validator.pytorchjob.training-operator.kubeflow.org" denied' in done.stderr
+    assert (
+        done.returncode == 1
+        and 'admission webhook "validator.pytorchjob.training-operator.kubeflow.org" denied' in done.stderr
+    )
 
 
 def test_apply_deploy_rbac(cluster: Cluster) -> None:
@@ -266,7 +298,11 @@ def test_a_running_job_logs_watch_wait_describe_and_events(cluster: Cluster) -> 
     script = "import time; print('step 1', flush=True); time.sleep(2); print('step 2')"
     watcher = subprocess.Popen(
         [KUBECTL, "get", "pytorchjobs", "-w", "--request-timeout=60s"],
-        env={**os.environ, "KUBECONFIG": str(cluster.admin_kubeconfig), "HOME": str(cluster.admin_kubeconfig.parent / "home")},
+        env={
+            **os.environ,
+            "KUBECONFIG": str(cluster.admin_kubeconfig),
+            "HOME": str(cluster.admin_kubeconfig.parent / "home"),
+        },
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -302,7 +338,9 @@ def test_a_running_job_logs_watch_wait_describe_and_events(cluster: Cluster) -> 
 def test_a_failing_job_backs_off_and_fails_with_events(cluster: Cluster) -> None:
     apply(cluster, job("crash", "import sys; print('boom'); sys.exit(3)", backoffLimit=2))
     kubectl(cluster, "wait", "--for=condition=Failed", "pytorchjob/crash", "--timeout=60s")
-    listed = kubectl(cluster, "get", "events", "--field-selector", "involvedObject.name=crash-worker-0", "-o", "json").stdout
+    listed = kubectl(
+        cluster, "get", "events", "--field-selector", "involvedObject.name=crash-worker-0", "-o", "json"
+    ).stdout
     reasons = {e["reason"]: e for e in json.loads(listed)["items"]}
     assert reasons["BackOff"]["type"] == "Warning" and reasons["BackOff"]["message"].startswith(
         "Back-off restarting failed container pytorch"
@@ -327,5 +365,7 @@ def test_delete_a_running_job(cluster: Cluster) -> None:
     kubectl(cluster, "wait", "--for=delete", "pod/long-worker-0", "--timeout=60s")
     gone = kubectl(cluster, "get", "pytorchjob", "long", check=False)
     assert gone.returncode == 1 and 'pytorchjobs.kubeflow.org "long" not found' in gone.stderr
-    killing = kubectl(cluster, "get", "events", "--field-selector", "reason=Killing,involvedObject.name=long-worker-0", "-o", "json")
+    killing = kubectl(
+        cluster, "get", "events", "--field-selector", "reason=Killing,involvedObject.name=long-worker-0", "-o", "json"
+    )
     assert [e["message"] for e in json.loads(killing.stdout)["items"]] == ["Stopping container pytorch"]

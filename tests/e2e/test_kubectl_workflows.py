@@ -22,13 +22,17 @@ from trainer.emulation.cluster import cluster_problem
 from trainer.events import RunEnd, Step, read_events, select
 
 PROBLEM = cluster_problem() or (None if shutil.which("kubectl") else "no kubectl on the PATH")
-pytestmark = pytest.mark.skipif(PROBLEM is not None, reason=f"the emulated cluster with kubectl cannot run here: {PROBLEM}")
+pytestmark = pytest.mark.skipif(
+    PROBLEM is not None, reason=f"the emulated cluster with kubectl cannot run here: {PROBLEM}"
+)
 CLI = [sys.executable, "-m", "trainer.cli"]
 
 
 def kubectl(kubeconfig: str, *args: str, stdin: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
     env = {**os.environ, "KUBECONFIG": kubeconfig, "HOME": str(Path(kubeconfig).parent)}
-    return subprocess.run(["kubectl", *args], env=env, input=stdin, capture_output=True, text=True, timeout=timeout, check=True)
+    return subprocess.run(
+        ["kubectl", *args], env=env, input=stdin, capture_output=True, text=True, timeout=timeout, check=True
+    )
 
 
 def wait_until(predicate, timeout: float, what: str) -> None:  # noqa: ANN001
@@ -38,7 +42,9 @@ def wait_until(predicate, timeout: float, what: str) -> None:  # noqa: ANN001
         time.sleep(0.2)
 
 
-def test_a_cluster_of_ones_own_trains_a_manifest_applied_with_kubectl_and_stops_on_ctrl_c(data_dir: Path, tmp_path: Path) -> None:
+def test_a_cluster_of_ones_own_trains_a_manifest_applied_with_kubectl_and_stops_on_ctrl_c(
+    data_dir: Path, tmp_path: Path
+) -> None:
     """`rfsdp cluster up` prints the kubeconfig to export; `rfsdp pipeline manifest | kubectl apply
     -f -` trains with no train step in front of the job (rank 0 makes the run dir and records the
     run's identity); `kubectl wait` sees it succeed; Ctrl-C stops the cluster and every pod."""
@@ -55,9 +61,16 @@ def test_a_cluster_of_ones_own_trains_a_manifest_applied_with_kubectl_and_stops_
         shutil.copytree(data_dir, root / "workspace" / "demo" / "data")
         sets = ["training_run=demo", "nnodes=2", "nproc_per_node=1", "steps=12", "ckpt_every=4"]
         manifest = subprocess.run(
-            [*CLI, "pipeline", "manifest", *(a for s in sets for a in ("--set", s))], cwd=ROOT, capture_output=True, text=True, check=True
+            [*CLI, "pipeline", "manifest", *(a for s in sets for a in ("--set", s))],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
-        assert kubectl(kubeconfig, "apply", "-f", "-", stdin=manifest).stdout.strip() == "pytorchjob.kubeflow.org/demo created"
+        assert (
+            kubectl(kubeconfig, "apply", "-f", "-", stdin=manifest).stdout.strip()
+            == "pytorchjob.kubeflow.org/demo created"
+        )
         kubectl(kubeconfig, "wait", "--for=condition=Succeeded", "pytorchjob/demo", "--timeout=300s", timeout=320)
         run = root / "workspace" / "demo" / "run"
         assert (run / "config.json").is_file()
@@ -76,7 +89,14 @@ def test_a_pipelines_job_deleted_with_kubectl_fails_the_step_and_is_logged_faile
     run in MLflow with that reason."""
     import mlflow
 
-    settings = ["backend=kubernetes", "training_run=deleted", "nnodes=2", "nproc_per_node=1", "steps=150", "ckpt_every=50"]
+    settings = [
+        "backend=kubernetes",
+        "training_run=deleted",
+        "nnodes=2",
+        "nproc_per_node=1",
+        "steps=150",
+        "ckpt_every=50",
+    ]
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
     root = tmp_path / "root"
@@ -84,7 +104,11 @@ def test_a_pipelines_job_deleted_with_kubectl_fails_the_step_and_is_logged_faile
     cli = [*CLI, "pipeline", "run-local", "--root", str(root), *(a for s in settings for a in ("--set", s))]
     with subprocess.Popen(cli, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         try:
-            wait_until(lambda: (run / "events.jsonl").is_file() and any(e.step >= 5 for e in select(read_events(run), Step)), 300, "step 5")
+            wait_until(
+                lambda: (run / "events.jsonl").is_file() and any(e.step >= 5 for e in select(read_events(run), Step)),
+                300,
+                "step 5",
+            )
             kubectl(str(root / "cluster" / "admin.kubeconfig"), "delete", "pytorchjob", "deleted", "--wait=false")
             out, _ = proc.communicate(timeout=600)
         finally:
@@ -92,7 +116,9 @@ def test_a_pipelines_job_deleted_with_kubectl_fails_the_step_and_is_logged_faile
     assert proc.returncode == 1, out[-6000:]
     steps_log = (root / "steps.log").read_text()
     assert "PyTorchJob default/deleted was deleted while it ran (its events are above)" in steps_log
-    assert "--- events of PyTorchJob default/deleted" in steps_log and "Killing" in steps_log  # the pods' stop, in the events
+    assert (
+        "--- events of PyTorchJob default/deleted" in steps_log and "Killing" in steps_log
+    )  # the pods' stop, in the events
     client = mlflow.MlflowClient(tracking_uri=uri)
     (logged,) = client.search_runs([client.get_experiment_by_name("resilient-fsdp").experiment_id])
     assert logged.info.status == "FAILED" and logged.data.tags["rfsdp.failed_step"] == "train"

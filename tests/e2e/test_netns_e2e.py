@@ -32,7 +32,9 @@ STEPS = "40"
 
 def netns_train(data: Path, run: Path, nproc: int, *extra: str) -> None:
     """`rfsdp train --netns` on 2 hosts; asserts it succeeded and left no namespace behind."""
-    train(data, run, "--netns", "--nnodes", "2", "--nproc-per-node", str(nproc), "--ckpt-every", "5", *extra, timeout=600)
+    train(
+        data, run, "--netns", "--nnodes", "2", "--nproc-per-node", str(nproc), "--ckpt-every", "5", *extra, timeout=600
+    )
     assert not _our_namespaces()
 
 
@@ -53,7 +55,9 @@ def recoveries(run: Path) -> list[dict]:
 
 
 def test_node_faults_need_netns(data_dir: Path, tmp_path: Path) -> None:
-    proc = train(data_dir, tmp_path / "run", "--nnodes", "2", "--nproc-per-node", "1", "--fault", "node-loss@5:1", check=False)
+    proc = train(
+        data_dir, tmp_path / "run", "--nnodes", "2", "--nproc-per-node", "1", "--fault", "node-loss@5:1", check=False
+    )
     assert proc.returncode == 2 and "--fault: node-loss needs every replica on its own host (--netns)" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "logs").exists()
 
@@ -74,13 +78,26 @@ def test_cluster_hosts_are_separate_and_torn_down() -> None:
         names = cluster.namespaces()
         assert len(names) == 3  # two hosts and the switch
         server = subprocess.Popen(
-            cluster.replica_command(0, [sys.executable, "-c", "import socket,sys; s=socket.create_server(('0.0.0.0', 5000)); "
-                                        "print('up', flush=True); c,_=s.accept(); c.sendall(b'pong')"]),
-            stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            cluster.replica_command(
+                0,
+                [
+                    sys.executable,
+                    "-c",
+                    "import socket,sys; s=socket.create_server(('0.0.0.0', 5000)); "
+                    "print('up', flush=True); c,_=s.accept(); c.sendall(b'pong')",
+                ],
+            ),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert server.stdout.readline().strip() == "up"
-        reach = f"import socket; print(socket.create_connection(('{cluster.hosts[0].address}', 5000), timeout=10).recv(4).decode())"
-        answer = subprocess.run(cluster.replica_command(1, [sys.executable, "-c", reach]), capture_output=True, text=True)
+        reach = (
+            "import socket; "
+            f"print(socket.create_connection(('{cluster.hosts[0].address}', 5000), timeout=10).recv(4).decode())"
+        )
+        answer = subprocess.run(
+            cluster.replica_command(1, [sys.executable, "-c", reach]), capture_output=True, text=True
+        )
         assert answer.stdout.strip() == "pong"
         # The host's address is not this machine's: from the root namespace it is unreachable.
         root = subprocess.run([sys.executable, "-c", reach.replace("10)", "1)")], capture_output=True, text=True)
@@ -102,16 +119,39 @@ def test_ctrl_c_tears_everything_down(data_dir: Path, tmp_path: Path) -> None:
     # A run far longer than the wait below, so only Ctrl-C can end it in time; SIGINT restored to
     # its default in the child (a shell's background job starts with it ignored).
     proc = subprocess.Popen(
-        [sys.executable, "-m", "trainer.cli", "train", "--quiet", "--data", str(data_dir), "--run-dir", str(run),
-         "--nnodes", "2", "--nproc-per-node", "1", "--netns", "--steps", "100000"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "trainer.cli",
+            "train",
+            "--quiet",
+            "--data",
+            str(data_dir),
+            "--run-dir",
+            str(run),
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--netns",
+            "--steps",
+            "100000",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )  # fmt: skip
+    )
     tag = f"rfsdp{proc.pid}-"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # both hosts run their launcher
         hosts = [n for n in _our_namespaces() if n.startswith(tag + "h")]
-        pids = [p for n in hosts for p in subprocess.run(["ip", "netns", "pids", n], capture_output=True, text=True).stdout.split()]
+        pids = [
+            p
+            for n in hosts
+            for p in subprocess.run(["ip", "netns", "pids", n], capture_output=True, text=True).stdout.split()
+        ]
         if len(hosts) == 2 and len(pids) >= 2:
             break
         time.sleep(0.2)
@@ -141,12 +181,14 @@ PUBLISH_PROBE = textwrap.dedent(
         events = EventLog(run_dir, rank)
         # First save: the background worker may boot seconds apart on the two hosts: a long timeout.
         slow = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=300))
-        first = Checkpointer(run_dir, writer=writer, group=slow, events=events, every=1, keep_last=5, fingerprint="probe")
+        first = Checkpointer(run_dir, writer=writer, group=slow, events=events, every=1, keep_last=5, \
+fingerprint="probe")
         first.save(1, lambda: state(1))
         first.finish()
         # Second save, ranks in step: a short timeout, so the cut is noticed quickly.
         fast = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=5))
-        second = Checkpointer(run_dir, writer=writer, group=fast, events=events, every=1, keep_last=5, fingerprint="probe")
+        second = Checkpointer(run_dir, writer=writer, group=fast, events=events, every=1, keep_last=5, \
+fingerprint="probe")
         with torch.no_grad():
             model.weight.add_(1.0)
         second.save(2, lambda: state(2))
@@ -183,7 +225,13 @@ def test_cut_off_rank_never_publishes(tmp_path: Path) -> None:
     script = tmp_path / "probe.py"
     script.write_text(PUBLISH_PROBE)
     with LocalCluster(2) as cluster:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2", "MASTER_ADDR": cluster.hosts[0].address, "MASTER_PORT": "29500"}
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": cluster.hosts[0].address,
+            "MASTER_PORT": "29500",
+        }
         procs = [
             subprocess.Popen(
                 cluster.replica_command(r, [sys.executable, str(script), str(run_dir), str(signals)]),
@@ -194,7 +242,9 @@ def test_cut_off_rank_never_publishes(tmp_path: Path) -> None:
         ]
         deadline = time.monotonic() + 300
         while not all((signals / f"written{r}").exists() for r in range(2)):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (tmp_path / "rank0.log").read_text()[-3000:]
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (
+                tmp_path / "rank0.log"
+            ).read_text()[-3000:]
             time.sleep(0.1)
         cluster.set_link(0, up=False)
         (signals / "cut").touch()
@@ -242,7 +292,9 @@ def test_node_loss_2x1_recovers_from_the_peer_replica(data_dir: Path, baseline_2
     the replica host 0 holds. At most one step is lost, the trajectory is the uninterrupted one,
     and no host's memory keeps anything of the run afterwards."""
     run = tmp_path / "run"
-    netns_train(data_dir, run, 1, "--steps", STEPS, "--ckpt-every", "10", "--local-ckpt-every", "1", "--fault", "node-loss@13:1")
+    netns_train(
+        data_dir, run, 1, "--steps", STEPS, "--ckpt-every", "10", "--local-ckpt-every", "1", "--fault", "node-loss@13:1"
+    )
     assert losses(run) == losses(baseline_2)
     events = read_events(run)
     (restart,) = select(events, Restart)
@@ -251,8 +303,10 @@ def test_node_loss_2x1_recovers_from_the_peer_replica(data_dir: Path, baseline_2
     local = [e for e in events if isinstance(e, Checkpoint) and e.tier == "local"]
     assert local and all("replicate" in e.phases for e in local)  # each snapshot went to the peer too
     assert not list(Path("/dev/shm").glob(f"rfsdp-local*/{tier_of(run).name}"))  # the run's folder in any host's memory
-    print(f"\nnode loss, local tier + 1 replica: resumed from step {restart.resumed_from_step} ({restart.source}), "
-          f"{restart.lost_steps} step(s) redone, {restart.recovery_s:.1f} s")  # fmt: skip
+    print(
+        f"\nnode loss, local tier + 1 replica: resumed from step {restart.resumed_from_step} ({restart.source}), "
+        f"{restart.lost_steps} step(s) redone, {restart.recovery_s:.1f} s"
+    )
 
 
 @needs_netns
@@ -280,7 +334,9 @@ def test_a_preempted_node_checkpoints_and_the_run_goes_on_when_it_is_replaced(
 
 
 @needs_netns
-def test_partition_2x1_detected_recovered_nothing_published_while_cut(data_dir: Path, baseline_2: Path, tmp_path: Path) -> None:
+def test_partition_2x1_detected_recovered_nothing_published_while_cut(
+    data_dir: Path, baseline_2: Path, tmp_path: Path
+) -> None:
     """Host 0 (rank 0, the publisher) is cut off for 15 s, longer than the 10 s heartbeat timeout,
     right after the step-30 save started: detected (an in-job restart), recovered once the link is
     back, no checkpoint published while cut, same trajectory.

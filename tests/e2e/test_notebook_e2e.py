@@ -27,7 +27,11 @@ def papermill(tmp_path: Path, out: Path, *params: str) -> nbformat.NotebookNode:
     if not kernels.exists():
         cmd = [sys.executable, "-m", "ipykernel", "install", "--prefix", str(kernels), "--name", "python3"]
         subprocess.run(cmd, check=True, capture_output=True)
-    env = {**os.environ, "JUPYTER_PATH": str(kernels / "share" / "jupyter"), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "JUPYTER_PATH": str(kernels / "share" / "jupyter"),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
     cmd = [sys.executable, "-m", "papermill", str(NOTEBOOK), str(out)]
     for i in range(0, len(params), 2):
         cmd += ["-p", params[i], params[i + 1]]
@@ -42,7 +46,9 @@ def outputs(nb: nbformat.NotebookNode) -> list:
     return [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
 
 
-def test_notebook_compares_real_runs(data_dir: Path, faulty_run: Path, mlflow_server: MlflowServer, tmp_path: Path) -> None:
+def test_notebook_compares_real_runs(
+    data_dir: Path, faulty_run: Path, mlflow_server: MlflowServer, tmp_path: Path
+) -> None:
     from mlflow import MlflowClient  # here: the fast tier's tests need no MLflow
 
     # the reference of the faulty run: its trajectory without faults, in the other checkpoint mode
@@ -64,15 +70,29 @@ def test_notebook_compares_real_runs(data_dir: Path, faulty_run: Path, mlflow_se
         assert table.loc[r.label, "goodput"] == pytest.approx(logged["goodput"])
         assert table.loc[r.label, "restarts in-job"] == logged["restarts_in_job"]
     assert table.loc["sync-nofaults", "ckpt mode"] == "sync" and table.loc["sync-nofaults", "restarts in-process"] == 0
-    assert table.loc["notebook/async-faults", "restarts in-process"] >= 1 and table.loc["notebook/async-faults", "restarts in-job"] >= 1
-    assert set(compare.checkpoint_blocking(runs)["kind"]) == {"sync", "async", "local"}  # the tiny model's local tier: on by default
+    assert (
+        table.loc["notebook/async-faults", "restarts in-process"] >= 1
+        and table.loc["notebook/async-faults", "restarts in-job"] >= 1
+    )
+    assert set(compare.checkpoint_blocking(runs)["kind"]) == {
+        "sync",
+        "async",
+        "local",
+    }  # the tiny model's local tier: on by default
     agreement = compare.reference_agreement(compare.loss_vs_reference(runs))
     assert set(agreement.index) == {"notebook/async-faults", "notebook-b/async-faults"}
     assert set(agreement["reference"]) == {"sync-nofaults"} and agreement["exact"].all()  # exact resume
 
     figures = tmp_path / "figures"
     nb = papermill(
-        tmp_path, tmp_path / "executed.ipynb", "experiments", "notebook,notebook-b", "tracking_uri", uri, "figures_dir", str(figures)
+        tmp_path,
+        tmp_path / "executed.ipynb",
+        "experiments",
+        "notebook,notebook-b",
+        "tracking_uri",
+        uri,
+        "figures_dir",
+        str(figures),
     )
     html = "".join(o.data.get("text/html", "") for o in outputs(nb) if "data" in o)
     for column in compare.comparison_table([]).columns:
@@ -83,7 +103,9 @@ def test_notebook_compares_real_runs(data_dir: Path, faulty_run: Path, mlflow_se
     assert {p.stem for p in figures.glob("*.png")} == FIGURES
 
     # experiments without runs: a message, every cell runs, nothing is plotted
-    nb = papermill(tmp_path, tmp_path / "empty.ipynb", "experiments", "notebook-empty,no-such-experiment", "tracking_uri", uri)
+    nb = papermill(
+        tmp_path, tmp_path / "empty.ipynb", "experiments", "notebook-empty,no-such-experiment", "tracking_uri", uri
+    )
     text = "".join(o.get("text", "") for o in outputs(nb) if o.output_type == "stream")
     assert "0 run(s)" in text and "Nothing to compare" in text
     assert "'notebook-empty' holds no run" in text and "no MLflow experiment named 'no-such-experiment'" in text

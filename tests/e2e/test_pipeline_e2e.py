@@ -22,16 +22,34 @@ from trainer.results.tracking import FAILED_STEP_TAG, FAILURE_REASON_TAG
 
 EXIT = "log-to-mlflow"
 HEADLINE = {
-    "goodput (%)", "restarts in-process", "restarts in-job", "recovery p50 (s)", "recovery max (s)", "lost steps",
-    "lost steps max per fault", "checkpoint stall p50 (s)", "checkpoint overhead (%)", "final loss", VERDICT,
-}  # fmt: skip
+    "goodput (%)",
+    "restarts in-process",
+    "restarts in-job",
+    "recovery p50 (s)",
+    "recovery max (s)",
+    "lost steps",
+    "lost steps max per fault",
+    "checkpoint stall p50 (s)",
+    "checkpoint overhead (%)",
+    "final loss",
+    VERDICT,
+}
 
 
 def _run_local(root: Path, *settings: str) -> subprocess.CompletedProcess:
     """`rfsdp pipeline run-local` in a subprocess (its own kfp.local and environment)."""
     root.parent.mkdir(parents=True, exist_ok=True)
     return subprocess.run(
-        [sys.executable, "-m", "trainer.cli", "pipeline", "run-local", "--root", str(root), *sum((["--set", s] for s in settings), [])],
+        [
+            sys.executable,
+            "-m",
+            "trainer.cli",
+            "pipeline",
+            "run-local",
+            "--root",
+            str(root),
+            *sum((["--set", s] for s in settings), []),
+        ],
         cwd=root.parent,
         capture_output=True,
         text=True,
@@ -57,7 +75,15 @@ def test_run_local_whole_pipeline_with_a_fault(tmp_path: Path) -> None:
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     root = tmp_path / "root"
-    settings = ["steps=12", "ckpt_every=4", "nnodes=2", "nproc_per_node=1", "fault=exception@6:1", f"tracking_uri={uri}", "experiment=e2e"]
+    settings = [
+        "steps=12",
+        "ckpt_every=4",
+        "nnodes=2",
+        "nproc_per_node=1",
+        "fault=exception@6:1",
+        f"tracking_uri={uri}",
+        "experiment=e2e",
+    ]
     settings.append("system_metrics_every=1")
     proc = _run_local(root, *settings)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -76,13 +102,18 @@ def test_run_local_whole_pipeline_with_a_fault(tmp_path: Path) -> None:
     assert url.endswith(f"/runs/{run_id}") and f"]({url})" in report
     assert "**valid**" in report and "| replays | pass |" in report and "| goodput (%) |" in report
     steps_log = (root / "steps.log").read_text()
-    assert max(len(line) for line in (proc.stdout + proc.stderr + steps_log).splitlines()) < 1000, "nothing is printed whole"
+    assert max(len(line) for line in (proc.stdout + proc.stderr + steps_log).splitlines()) < 1000, (
+        "nothing is printed whole"
+    )
     # Quiet: the steps' executor logs go to steps.log; the terminal shows each step, the fault and
     # its recovery as they happen, the tables and what to do next.
     assert "executor_input" in steps_log and "executor_input" not in proc.stdout + proc.stderr
     for step in ("check-run", "prepare-data", "train", "validate-checkpoint", "log-to-mlflow"):
         assert f"{step}: started" in proc.stdout and f"{step}: success in" in proc.stdout
-    assert "fault exception at step 6 on rank 1" in proc.stdout and "restart 1 (in_process): resumed from step" in proc.stdout
+    assert (
+        "fault exception at step 6 on rank 1" in proc.stdout
+        and "restart 1 (in_process): resumed from step" in proc.stdout
+    )
     assert f"steps' output:     {root.resolve() / 'steps.log'}" in proc.stdout and "next:" in proc.stdout
     # (the export step: two lines, even with nothing to export; the fault's failure rows: one per rank that met it)
     assert len((proc.stdout + proc.stderr).splitlines()) <= 66
@@ -95,8 +126,12 @@ def test_run_local_whole_pipeline_with_a_fault(tmp_path: Path) -> None:
     assert logged.data.metrics["restarts_in_process"] == 1
     assert logged.data.metrics["final_step"] == 12
     assert logged.data.tags["backend"] == "local" and logged.data.tags["training_run"] == run_dir.parent.name
-    assert logged.info.run_name == f"{run_dir.parent.name} @ {logged.data.tags['kfp_pipeline_job']}"  # the run + the KFP run
-    assert {"system/node_0/cpu_utilization_percentage", "system/node_1/cpu_utilization_percentage"} <= set(logged.data.metrics)
+    assert (
+        logged.info.run_name == f"{run_dir.parent.name} @ {logged.data.tags['kfp_pipeline_job']}"
+    )  # the run + the KFP run
+    assert {"system/node_0/cpu_utilization_percentage", "system/node_1/cpu_utilization_percentage"} <= set(
+        logged.data.metrics
+    )
     assert logged.data.tags["rfsdp.valid"] == "true"
     assert client.get_experiment(logged.info.experiment_id).name == "e2e"
 
@@ -111,7 +146,14 @@ def test_a_failed_run_is_logged_failed_and_the_same_name_resumes_it(tmp_path: Pa
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     root = tmp_path / "root"
     # Sync checkpoints: step 3's is durable before the SIGKILL at step 5 (an async first save may not be).
-    settings = ["steps=8", "ckpt_every=3", "ckpt_mode=sync", "max_restarts=0", "fault=sigkill@5:0", "training_run=resume-me"]
+    settings = [
+        "steps=8",
+        "ckpt_every=3",
+        "ckpt_mode=sync",
+        "max_restarts=0",
+        "fault=sigkill@5:0",
+        "training_run=resume-me",
+    ]
     settings.append(f"tracking_uri={uri}")
     failed = _run_local(root, *settings)
     assert failed.returncode == 1, failed.stdout[-4000:] + failed.stderr[-4000:]
@@ -139,7 +181,10 @@ def test_two_runs_with_the_defaults_do_not_touch_each_other(tmp_path: Path) -> N
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     # 8 steps: enough for the validation's quality check (eval loss 0.5 below initialization).
-    results = [run_local({"steps": 8, "ckpt_every": 4, "nproc_per_node": 1, "tracking_uri": uri}, tmp_path / "root") for _ in range(2)]
+    results = [
+        run_local({"steps": 8, "ckpt_every": 4, "nproc_per_node": 1, "tracking_uri": uri}, tmp_path / "root")
+        for _ in range(2)
+    ]
     first, second = results
     assert first["training_run"] != second["training_run"]
     assert first["mlflow_run_id"] != second["mlflow_run_id"]
@@ -149,10 +194,14 @@ def test_two_runs_with_the_defaults_do_not_touch_each_other(tmp_path: Path) -> N
         assert [s.resumed_from_step for s in starts] == [0], "a fresh run, never a resume of the other"
         assert Path(result["run_dir"]).parent.name == result["training_run"]
         assert client.get_run(result["mlflow_run_id"]).data.tags["training_run"] == result["training_run"]
-    assert sorted(p.name for p in (tmp_path / "root" / "workspace").iterdir()) == sorted(r["training_run"] for r in results)
+    assert sorted(p.name for p in (tmp_path / "root" / "workspace").iterdir()) == sorted(
+        r["training_run"] for r in results
+    )
 
 
-def test_a_pipeline_run_of_an_hf_model_exports_logs_and_registers_it(mlflow_server: MlflowServer, tmp_path: Path) -> None:
+def test_a_pipeline_run_of_an_hf_model_exports_logs_and_registers_it(
+    mlflow_server: MlflowServer, tmp_path: Path
+) -> None:
     """model=hf:DIR with export_uri and registered_model: after validation passes, the validated
     checkpoint is exported as a Hugging Face model directory, logged as the MLflow run's model
     (under model/) and registered as version 1."""
@@ -164,7 +213,14 @@ def test_a_pipeline_run_of_an_hf_model_exports_logs_and_registers_it(mlflow_serv
 
     model = save_model(tmp_path / "llama", "llama", weights=True)
     out, root = tmp_path / "exported", tmp_path / "root"
-    settings = ["steps=12", "ckpt_every=4", "seq_len=32", "nproc_per_node=1", f"model=hf:{model}", f"tracking_uri={mlflow_server.uri}"]
+    settings = [
+        "steps=12",
+        "ckpt_every=4",
+        "seq_len=32",
+        "nproc_per_node=1",
+        f"model=hf:{model}",
+        f"tracking_uri={mlflow_server.uri}",
+    ]
     settings += ["experiment=export", f"export_uri={out}", "registered_model=tiny-llama"]
     proc = _run_local(root, *settings)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -180,7 +236,11 @@ def test_a_pipeline_run_of_an_hf_model_exports_logs_and_registers_it(mlflow_serv
     client = mlflow.MlflowClient(tracking_uri=mlflow_server.uri)
     assert client.get_run(run_id).data.tags["rfsdp.valid"] == "true"
     logged = {f.path for f in client.list_artifacts(run_id, "model")}
-    assert {"model/config.json", "model/model.safetensors.index.json", "model/model-00001-of-00001.safetensors"} <= logged
+    assert {
+        "model/config.json",
+        "model/model.safetensors.index.json",
+        "model/model-00001-of-00001.safetensors",
+    } <= logged
     (version,) = client.search_model_versions("name = 'tiny-llama'")
     assert version.version == "1" and version.run_id == run_id and version.source == f"runs:/{run_id}/model"
     assert version.tags["rfsdp.step"] == "12"

@@ -36,8 +36,14 @@ EXPECTED = {
         },
         "keys": {"steps_per_s", "ratio", "samples", "base", "vs_base", "models"},
     },
-    "goodput": {"methods": {"resilient", "baseline"}, "keys": {"goodput", "ratio", "wall_ratio", "wall_s", "useful_s", "runs"}},
-    "load": {"methods": {"sharded", "from_pretrained"}, "keys": {"load_anon_mib_per_rank", "anon_over_model", "seconds"}},
+    "goodput": {
+        "methods": {"resilient", "baseline"},
+        "keys": {"goodput", "ratio", "wall_ratio", "wall_s", "useful_s", "runs"},
+    },
+    "load": {
+        "methods": {"sharded", "from_pretrained"},
+        "keys": {"load_anon_mib_per_rank", "anon_over_model", "seconds"},
+    },
     "soak": {
         "methods": {"resilient", "resilient_local", "baseline"},
         "keys": {"goodput", "ettr", "ratio", "wall_ratio", "wall_s", "lost_steps", "runs"},
@@ -70,15 +76,33 @@ def test_quick_benchmark_writes_json(name: str, tmp_path: Path) -> None:
         assert bench["params"]["state_bytes"] > 0
         assert bench["methods"]["torch_save"]["stall_ratio"] == 1.0  # the reference
         for method in bench["methods"].values():
-            assert _finite(method["stall_s"]) and _finite(method["durable_s"]) and method["durable_s"] >= method["stall_s"]
+            assert (
+                _finite(method["stall_s"]) and _finite(method["durable_s"]) and method["durable_s"] >= method["stall_s"]
+            )
         for m in ("nvrx_async", "dcp_async_save"):  # background writes: steps ran while they were in flight
             assert bench["methods"][m]["inflight_steps"] >= 1 and _finite(bench["methods"][m]["slowdown"])
         # the phases of the trainer's own saves, from its checkpoint events: they add up to the stall
         ours = bench["methods"]["nvrx_async"]
-        timeline = ["wait", "collect", "rank_state", "stage", "plan", "handoff", "copy", "copy_wait", "background", "agree", "publish"]
-        assert list(ours["phases"]) == timeline  # copy: beside the next step, which waits for it before its update (copy_wait)
+        timeline = [
+            "wait",
+            "collect",
+            "rank_state",
+            "stage",
+            "plan",
+            "handoff",
+            "copy",
+            "copy_wait",
+            "background",
+            "agree",
+            "publish",
+        ]
+        assert (
+            list(ours["phases"]) == timeline
+        )  # copy: beside the next step, which waits for it before its update (copy_wait)
         assert next(iter(ours["warmup_phases"])) == "prepare"  # the writer's warm-up, after the first step
-        stalled = sum(ours["warmup_phases"][k] for k in ("wait", "collect", "rank_state", "stage", "plan", "handoff", "copy_wait"))
+        stalled = sum(
+            ours["warmup_phases"][k] for k in ("wait", "collect", "rank_state", "stage", "plan", "handoff", "copy_wait")
+        )
         # Rank 0's phases lie within its stall, and the bench's stall is the slowest rank's.
         assert 0 < stalled <= ours["warmup_stall_s"] + 1e-3
         assert "write" in bench["methods"]["dcp_save"]["phases"] and "phases" not in bench["methods"]["torch_save"]
@@ -86,7 +110,10 @@ def test_quick_benchmark_writes_json(name: str, tmp_path: Path) -> None:
         for method, per_fault in bench["methods"].items():
             run = per_fault["exception"]
             assert _finite(run["recovery_s"]) and run["recovery_s"] > 0 and run["lost_steps"] >= 0
-            assert run["layer"] == {"inprocess": "in_process", "ft_injob": "in_job", "torchrun": "in_job", "cold": "cold"}[method]
+            assert (
+                run["layer"]
+                == {"inprocess": "in_process", "ft_injob": "in_job", "torchrun": "in_job", "cold": "cold"}[method]
+            )
             # The restart event's timeline (a cold restart writes none), ending with the first step.
             assert list(run["phases"])[-1:] == ([] if method == "cold" else ["first_step"])
     elif name == "overhead":
@@ -98,7 +125,11 @@ def test_quick_benchmark_writes_json(name: str, tmp_path: Path) -> None:
             assert set(m["models"]) == ({p["primary"]} if loaded else set(p["models"]))  # the loaded rows: one size
             assert m["base"] is None or (m["base"] in methods and m["base"].endswith("_loaded") == loaded)
             for size, s in m["models"].items():
-                assert len(s["samples"]) == p["reps"] and _finite(s["ratio"]) and (m["base"] is None) == (s["vs_base"] is None)
+                assert (
+                    len(s["samples"]) == p["reps"]
+                    and _finite(s["ratio"])
+                    and (m["base"] is None) == (s["vs_base"] is None)
+                )
                 ref = methods["plain_loaded" if loaded else "plain"]["models"][size]["steps_per_s"]
                 assert math.isclose(s["ratio"], s["steps_per_s"] / ref)  # each ratio is against its own plain run
         assert methods["plain"]["ratio"] == methods["plain_loaded"]["ratio"] == 1.0
@@ -145,11 +176,15 @@ def _check_soak(bench: dict) -> None:
         assert run["lost_steps"] == sum(f["lost_steps"] for f in run["per_fault"])
         assert set(bench["per_kind"][name]) == {f["kind"] for f in run["per_fault"]}
     assert [t["target"].split(" >=")[0] for t in bench["targets"]] == [
-        "soak goodput resilient / baseline", "soak goodput resilient", "soak goodput resilient_local / resilient",
-    ]  # fmt: skip
+        "soak goodput resilient / baseline",
+        "soak goodput resilient",
+        "soak goodput resilient_local / resilient",
+    ]
     assert bench["methods"]["resilient_local"]["vs_single_tier"] > 0
     two_tier, ours = bench["methods"]["resilient_local"], bench["methods"]["resilient"]
-    assert math.isclose(two_tier["wall_vs_single_tier"], ours["wall_s"] / two_tier["wall_s"])  # the same steps: the sooner, the better
+    assert math.isclose(
+        two_tier["wall_vs_single_tier"], ours["wall_s"] / two_tier["wall_s"]
+    )  # the same steps: the sooner, the better
     assert bench["methods"]["resilient_local"]["ceiling_vs_single_tier"] >= 1  # the single tier's redone steps, removed
 
 
@@ -163,5 +198,10 @@ def test_the_checkpoint_benchmark_saves_your_own_model(tmp_path: Path) -> None:
     proc = rfsdp("bench", "checkpoint", *args, timeout=800)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     bench = json.loads(out.read_text())["benchmarks"]["checkpoint"]
-    assert bench["params"]["model"] == f"hf:{model}" and bench["params"]["parameters"] > 100_000  # the Llama's, not a built-in size's
-    assert set(bench["methods"]) == EXPECTED["checkpoint"]["methods"] and bench["methods"]["torch_save"]["stall_ratio"] == 1.0
+    assert (
+        bench["params"]["model"] == f"hf:{model}" and bench["params"]["parameters"] > 100_000
+    )  # the Llama's, not a built-in size's
+    assert (
+        set(bench["methods"]) == EXPECTED["checkpoint"]["methods"]
+        and bench["methods"]["torch_save"]["stall_ratio"] == 1.0
+    )

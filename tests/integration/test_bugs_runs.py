@@ -17,7 +17,9 @@ from trainer.errors import FATAL_EXIT_CODE
 from trainer.events import Failure, Fatal, FaultFired, Restart, RunStart, Step, read_events, select
 
 RUN = ("--steps", "12", "--ckpt-every", "4")
-BUG_LINE = next(n for n, line in enumerate((ROOT / "trainer/faults.py").read_text().splitlines(), 1) if "raise InjectedBug(" in line)
+BUG_LINE = next(
+    n for n, line in enumerate((ROOT / "trainer/faults.py").read_text().splitlines(), 1) if "raise InjectedBug(" in line
+)
 
 
 # --------------------------------------------------------------------------- real 2-rank jobs
@@ -43,11 +45,16 @@ def test_a_repeated_exception_ends_the_job_as_a_bug_after_one_retry(data_dir: Pa
     assert (fatal.reason, fatal.step, fatal.rank, fatal.origin) == ("bug", 6, 1, f"trainer/faults.py:{BUG_LINE}")
     assert "InjectedBug: injected bug at step 6" in fatal.traceback
     bugs = [f for f in select(events, Failure) if f.category == "bug"]
-    assert [(f.rank, f.step, f.occurrence, f.origin) for f in bugs] == [(1, 6, 1, fatal.origin), (1, 6, 2, fatal.origin)]
+    assert [(f.rank, f.step, f.occurrence, f.origin) for f in bugs] == [
+        (1, 6, 1, fatal.origin),
+        (1, 6, 2, fatal.origin),
+    ]
     assert [f.step for f in select(events, FaultFired)] == [6, 6]  # fired twice: the first time and its one retry
     assert not select(events, Restart)  # nothing got past step 6
     after = events[events.index(fatal) :]
-    assert not [e for e in after if isinstance(e, Step | FaultFired) or (isinstance(e, Failure) and e.category == "bug")]
+    assert not [
+        e for e in after if isinstance(e, Step | FaultFired) or (isinstance(e, Failure) and e.category == "bug")
+    ]
     # ft_launcher restarts any failure within its budget (2); each restart sees the fatal and exits at once.
     log = (run / "logs" / "replica_0.log").read_text(errors="replace")
     assert log.count("will restart worker group") <= 2 and log.count("fatal, no restart can fix this") == 1
@@ -63,18 +70,24 @@ def test_no_bug_retries_end_the_job_at_the_first_occurrence(data_dir: Path, tmp_
     assert (fatal.reason, fatal.step, fatal.rank) == ("bug", 6, 1)
 
 
-def test_an_exception_that_fires_once_still_recovers_in_process_exactly(data_dir: Path, baseline_12: Path, tmp_path: Path) -> None:
+def test_an_exception_that_fires_once_still_recovers_in_process_exactly(
+    data_dir: Path, baseline_12: Path, tmp_path: Path
+) -> None:
     run = tmp_path / "run"
     proc = train(data_dir, run, *RUN, "--fault", "exception@6:1")
     events = read_events(run)
     assert [r.layer for r in select(events, Restart)] == ["in_process"]
-    assert [(f.rank, f.category, f.step, f.occurrence) for f in select(events, Failure) if f.category == "bug"] == [(1, "bug", 6, 1)]
+    assert [(f.rank, f.category, f.step, f.occurrence) for f in select(events, Failure) if f.category == "bug"] == [
+        (1, "bug", 6, 1)
+    ]
     assert not select(events, Fatal)
     assert losses(run) == losses(baseline_12)
     assert "failure, rank 1" in proc.stdout and "0 infrastructure, 1 bug" in proc.stdout  # the summary's tables
 
 
-def test_a_nan_loss_ends_the_job_and_no_checkpoint_after_it_is_published(data_dir: Path, baseline_12: Path, tmp_path: Path) -> None:
+def test_a_nan_loss_ends_the_job_and_no_checkpoint_after_it_is_published(
+    data_dir: Path, baseline_12: Path, tmp_path: Path
+) -> None:
     """The loss turns NaN at step 8, a checkpoint step (sync saves: step 4's is published at once).
     The job ends as ``bug`` naming step 8, step 8 is neither logged nor saved, and the run resumes
     from before it to the baseline's trajectory (before: NaN losses to the end, step 8's

@@ -19,7 +19,9 @@ from trainer.checkpoint import (
 )
 
 
-def test_validate_never_unpickles_a_planted_metadata(baseline_60: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_validate_never_unpickles_a_planted_metadata(
+    baseline_60: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The issue's reproduction: a signed run, ``.metadata`` replaced by a payload of the same size,
     the manifest untouched. Validation names the checksum failure and the payload never runs;
     without a key and with the checksum rewritten too, the restricted unpickler refuses it."""

@@ -73,7 +73,9 @@ def test_a_prepared_async_writer_saves_first_with_the_cached_plan(one_rank: None
         writer.close()
 
 
-def test_an_async_save_copies_the_state_beside_the_next_step_and_writes_it_as_it_was(one_rank: None, tmp_path: Path) -> None:
+def test_an_async_save_copies_the_state_beside_the_next_step_and_writes_it_as_it_was(
+    one_rank: None, tmp_path: Path
+) -> None:
     """The copy into the staging buffers runs on a thread of its own once the save returns (the
     next step's forward and backward only read the state); ``before_update`` waits for it before
     the optimizer changes the state, and that wait counts in the save's stall. The checkpoint holds
@@ -102,7 +104,10 @@ def test_an_async_save_copies_the_state_beside_the_next_step_and_writes_it_as_it
         (event,) = select(read_events(tmp_path), Checkpoint)
         names = list(event.phases)
         assert names[names.index("handoff") :][:3] == ["handoff", "copy", "copy_wait"] and names[-1] == "publish"
-        stall = sum(event.phases[n] for n in names[: names.index("handoff") + 1] if n != "prepare") + event.phases["copy_wait"]
+        stall = (
+            sum(event.phases[n] for n in names[: names.index("handoff") + 1] if n != "prepare")
+            + event.phases["copy_wait"]
+        )
         assert event.blocking_s == pytest.approx(stall)
         ckpt.before_update()  # nothing in flight: nothing to wait for
     finally:

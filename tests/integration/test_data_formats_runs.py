@@ -28,10 +28,16 @@ docs = test_data_formats.docs  # a fixture of the unit tests'
 trained = test_data_formats.trained  # a fixture of the unit tests'
 
 
-def test_s3_corpus_and_tokenizer_into_s3_and_the_run_cache(trained: Path, docs: list[str], s3_bucket: str, tmp_path: Path) -> None:
+def test_s3_corpus_and_tokenizer_into_s3_and_the_run_cache(
+    trained: Path, docs: list[str], s3_bucket: str, tmp_path: Path
+) -> None:
     bucket = s3_bucket.removeprefix("s3://")
     s3 = boto3.client("s3")
-    s3.put_object(Bucket=bucket, Key="corpus/part-0.jsonl", Body="".join(json.dumps({"text": d}) + "\n" for d in docs[:200]).encode())
+    s3.put_object(
+        Bucket=bucket,
+        Key="corpus/part-0.jsonl",
+        Body="".join(json.dumps({"text": d}) + "\n" for d in docs[:200]).encode(),
+    )
     s3.put_object(Bucket=bucket, Key="corpus/part-1.txt", Body="\n\n".join(docs[200:]).encode())
     upload_tree(trained / "tokenizer", f"{s3_bucket}/tok")
     data = f"{s3_bucket}/data"
@@ -60,7 +66,12 @@ RSS_SCRIPT = textwrap.dedent(
 
 
 def peak_rss_mib(source: Path, out: Path, tokenizer: str = "") -> int:
-    proc = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(source), str(out), tokenizer], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", RSS_SCRIPT, str(source), str(out), tokenizer],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     return int(proc.stdout.split()[-1])
 
@@ -76,7 +87,9 @@ def test_a_corpus_larger_than_the_memory_bound_streams(trained: Path, tmp_path: 
     small = write_jsonl(tmp_path / "small.jsonl", [{"text": d} for d in documents(300)])
     base = peak_rss_mib(small, tmp_path / "small")
     peak = peak_rss_mib(big, tmp_path / "big")
-    assert peak - base < 60, f"peak RSS {peak} MiB on {big.stat().st_size >> 20} MiB of JSON lines vs {base} MiB on a tiny corpus"
+    assert peak - base < 60, (
+        f"peak RSS {peak} MiB on {big.stat().st_size >> 20} MiB of JSON lines vs {base} MiB on a tiny corpus"
+    )
     assert load_manifest(tmp_path / "big")["splits"]["val"]["tokens"] > 5_000_000
     os.remove(big)
     # A Hugging Face tokenizer goes through `tokenizers` alone (transformers is not imported).

@@ -32,10 +32,16 @@ def test_an_event_is_appended_under_the_file_lock(tmp_path: Path) -> None:
     log = EventLog(tmp_path, rank=0)
     log.emit(RunStart(config={}, resumed_from_step=0, world_size=1))
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"import fcntl, os, sys; fd = os.open({str(log.path)!r}, os.O_WRONLY); fcntl.lockf(fd, fcntl.LOCK_EX); "
-         "print('locked', flush=True); sys.stdin.read()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            f"import fcntl, os, sys; fd = os.open({str(log.path)!r}, os.O_WRONLY); fcntl.lockf(fd, fcntl.LOCK_EX); "
+            "print('locked', flush=True); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout.readline().strip() == "locked"
     writer = threading.Thread(target=log.emit, args=(Step(step=1, loss=1.0, step_time_s=0.1),))
     writer.start()
@@ -81,9 +87,25 @@ def test_a_torn_line_right_before_run_end_leaves_the_outcome_readable(data_dir: 
     non-UTF-8 byte crashed the readers)."""
     run = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "trainer.cli", "train", "--quiet", "--data", str(data_dir), "--run-dir", str(run), "--steps", "40",
-        "--fault", "corrupt-event@3,hang@5:1", "--no-inprocess-restart", "--max-restarts", "0", "--hang-timeout", "3600",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "trainer.cli",
+        "train",
+        "--quiet",
+        "--data",
+        str(data_dir),
+        "--run-dir",
+        str(run),
+        "--steps",
+        "40",
+        "--fault",
+        "corrupt-event@3,hang@5:1",
+        "--no-inprocess-restart",
+        "--max-restarts",
+        "0",
+        "--hang-timeout",
+        "3600",
+    ]
     # (the hang is ended by the kill below, never by its timeout)
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -91,11 +113,17 @@ def test_a_torn_line_right_before_run_end_leaves_the_outcome_readable(data_dir: 
             assert proc.poll() is None, proc.communicate()
             time.sleep(0.2)
         writer = subprocess.run(
-            [sys.executable, "-c", "import fcntl, os, signal, sys; fd = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND); "
-             "fcntl.lockf(fd, fcntl.LOCK_EX); os.write(fd, sys.argv[2].encode()); os.kill(os.getpid(), signal.SIGKILL)",
-             str(run / EVENTS_FILE), '{"event": "system", "node": 0, "metrics": {"cpu'],
+            [
+                sys.executable,
+                "-c",
+                "import fcntl, os, signal, sys; fd = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND); "
+                "fcntl.lockf(fd, fcntl.LOCK_EX); os.write(fd, sys.argv[2].encode()); "
+                "os.kill(os.getpid(), signal.SIGKILL)",
+                str(run / EVENTS_FILE),
+                '{"event": "system", "node": 0, "metrics": {"cpu',
+            ],
             timeout=60,
-        )  # fmt: skip
+        )
         assert writer.returncode == -signal.SIGKILL
         os.kill(_worker_of_rank(proc.pid, 1), signal.SIGKILL)  # the hung rank: the job fails, no restart left
         _, err = proc.communicate(timeout=300)
@@ -110,7 +138,10 @@ def test_a_torn_line_right_before_run_end_leaves_the_outcome_readable(data_dir: 
     assert raw.endswith(b"\n")
     torn = corrupt_lines(run)
     assert len(torn) == 2 and len(raw.split(b"\n")) - 1 == len(events) + 2  # each torn line on its own
-    show = f"from pathlib import Path; from trainer.results.summary import print_run_summary; print_run_summary(Path({str(run)!r}))"
+    show = (
+        "from pathlib import Path; from trainer.results.summary import print_run_summary; "
+        f"print_run_summary(Path({str(run)!r}))"
+    )
     summary = subprocess.run([sys.executable, "-c", show], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert summary.returncode == 0 and f"2 skipped (line {torn[0]}, {torn[1]})" in summary.stdout, summary.stderr
 

@@ -38,7 +38,8 @@ model.eval()
 with torch.no_grad():
     logits = model(input_ids=torch.tensor({ids!r})).logits
 torch.save({{"state": dict(model.state_dict()), "logits": logits}}, {dump!r})
-out = {{"class": type(model).__name__, "dtype": str(model.dtype), "tied": model.lm_head.weight is model.get_input_embeddings().weight}}
+out = {{"class": type(model).__name__, "dtype": str(model.dtype), \
+"tied": model.lm_head.weight is model.get_input_embeddings().weight}}
 if {tokenizer!r}:
     tok = PreTrainedTokenizerFast.from_pretrained({model!r})
     out["tokens"] = tok("def f(x):\\n    return x + 1")["input_ids"]
@@ -52,7 +53,9 @@ def load_with_plain_transformers(model: Path, tmp: Path, *, tokenizer: bool = Fa
     dump = tmp / "reloaded.pt"
     site = sysconfig.get_paths()["purelib"]
     script = PLAIN.format(site=site, model=str(model), ids=INPUT_IDS, dump=str(dump), tokenizer=tokenizer)
-    proc = subprocess.run([sys.executable, "-I", "-S", "-c", script], cwd=tmp, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", script], cwd=tmp, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1]), torch.load(dump)
 
@@ -84,7 +87,9 @@ def llama_run(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple
     return config, root / "run"
 
 
-def test_an_exported_llama_loads_with_plain_transformers_and_equals_the_checkpoint(llama_run: tuple[Path, Path], tmp_path: Path) -> None:
+def test_an_exported_llama_loads_with_plain_transformers_and_equals_the_checkpoint(
+    llama_run: tuple[Path, Path], tmp_path: Path
+) -> None:
     config, run = llama_run
     out = tmp_path / "exported"
     assert main(["export", "--run-dir", str(run), "--out", str(out), "--max-shard-size", "150KB"]) == 0
@@ -105,7 +110,11 @@ def test_an_exported_llama_loads_with_plain_transformers_and_equals_the_checkpoi
     # An earlier step, in one shard (the default 2GB): still with its index, as a sharded save.
     earlier = tmp_path / "step2"
     assert main(["export", "--run-dir", str(run), "--step", "2", "--out", str(earlier)]) == 0
-    assert sorted(p.name for p in earlier.iterdir()) == ["config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    assert sorted(p.name for p in earlier.iterdir()) == [
+        "config.json",
+        "model-00001-of-00001.safetensors",
+        "model.safetensors.index.json",
+    ]
     _, reloaded = load_with_plain_transformers(earlier, tmp_path)
     assert_equal_bits(reloaded["state"], read_full_state(run / "checkpoints" / "step_000002")["model"])
 
@@ -135,7 +144,10 @@ def test_tied_embeddings_are_written_once_and_the_trained_tokenizer_goes_along(t
     assert shown["class"] == "Qwen2ForCausalLM" and shown["tied"] is True
     # The data's own tokenizer. (transformers 5's AutoTokenizer gives a qwen2 model its family's
     # Qwen2Tokenizer whatever tokenizer_config.json names: PreTrainedTokenizerFast reads tokenizer.json as is.)
-    assert shown["tokens"] == Tokenizer.from_file(str(data / "tokenizer" / "tokenizer.json")).encode("def f(x):\n    return x + 1").ids
+    assert (
+        shown["tokens"]
+        == Tokenizer.from_file(str(data / "tokenizer" / "tokenizer.json")).encode("def f(x):\n    return x + 1").ids
+    )
     checkpoint = read_full_state(run / "checkpoints" / "step_000004")["model"]
     assert_equal_bits(reloaded["state"], checkpoint)  # lm_head.weight included: tied to the embeddings again
     assert torch.equal(reloaded["logits"], checkpoint_logits(config, checkpoint))
@@ -178,9 +190,17 @@ def test_builtin_and_py_models_export_to_the_documented_format(model: str, data_
         from trainer.models.builtin import ModelSize, Transformer
 
         assert config == {
-            "architecture": "rfsdp-builtin", "format_version": 1, "model": "tiny", "dim": 64, "layers": 2, "heads": 4, "seq_len": 64,
-            "vocab_size": 256, "dtype": "float32", "step": 4,
-        }  # fmt: skip
+            "architecture": "rfsdp-builtin",
+            "format_version": 1,
+            "model": "tiny",
+            "dim": 64,
+            "layers": 2,
+            "heads": 4,
+            "seq_len": 64,
+            "vocab_size": 256,
+            "dtype": "float32",
+            "step": 4,
+        }
         module = Transformer(ModelSize(**{k: config[k] for k in ("dim", "layers", "heads", "seq_len", "vocab_size")}))
     else:
         from trainer.models.example import build
@@ -205,7 +225,12 @@ def test_bad_input_is_refused_naming_the_parameter_before_anything_is_written(
     (full / "keep.txt").write_text("mine")
     out = tmp_path / "out"
     cases = {
-        ("--run-dir", str(tmp_path / "missing"), "--out", str(out)): f"--run-dir: {tmp_path / 'missing'} does not exist",
+        (
+            "--run-dir",
+            str(tmp_path / "missing"),
+            "--out",
+            str(out),
+        ): f"--run-dir: {tmp_path / 'missing'} does not exist",
         ("--run-dir", str(bare), "--out", str(out)): f"--run-dir: {bare} has no published checkpoint",
         (
             "--run-dir",
@@ -216,7 +241,14 @@ def test_bad_input_is_refused_naming_the_parameter_before_anything_is_written(
             str(out),
         ): f"--step: {run} has no published checkpoint step_000003 (published: [2, 4]",
         ("--run-dir", str(run), "--out", str(full)): f"--out: {full} is not an empty directory",
-        ("--run-dir", str(run), "--out", str(out), "--max-shard-size", "lots"): "--max-shard-size: 'lots' is not a size",
+        (
+            "--run-dir",
+            str(run),
+            "--out",
+            str(out),
+            "--max-shard-size",
+            "lots",
+        ): "--max-shard-size: 'lots' is not a size",
     }
     for args, problem in cases.items():
         capsys.readouterr()

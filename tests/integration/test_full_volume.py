@@ -23,7 +23,7 @@ FILL_AT_STEP = 12
 # reached FILL_AT_STEP, waits for `rfsdp train` and copies out what the test checks. No checkpoint
 # is due before step 100: the ranks go on appending step events into the room left in the events
 # file's last page, until an append finds none (the case of a volume with no room at all).
-DRIVER = r"""
+DRIVER = """
 import json, shutil, subprocess, sys, time
 from pathlib import Path
 from trainer.events import Step, read_events
@@ -52,7 +52,8 @@ for name in ("events.jsonl", "logs"):
         shutil.copytree(run / name, out / name)
     elif (run / name).exists():
         shutil.copy(run / name, out / name)
-(out / "result.json").write_text(json.dumps({"rc": train.returncode, "stdout": stdout, "stderr": stderr, "filled": filled}))
+(out / "result.json").write_text(json.dumps({"rc": train.returncode, "stdout": stdout, "stderr": stderr, \
+"filled": filled}))
 """
 
 
@@ -62,10 +63,27 @@ def run_on_a_filling_volume(data_dir: Path, tmp_path: Path) -> dict:
     vol.mkdir()
     script = 'mount -t tmpfs -o size=16m tmpfs "$1" && exec "$2" -c "$3" "$1" "$4" "$5" "$6"'
     proc = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
-         str(vol), sys.executable, DRIVER, str(data_dir), str(out), str(FILL_AT_STEP)],
-        cwd=ROOT, capture_output=True, text=True, timeout=1200,
-    )  # fmt: skip
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            script,
+            "sh",
+            str(vol),
+            sys.executable,
+            DRIVER,
+            str(data_dir),
+            str(out),
+            str(FILL_AT_STEP),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert proc.returncode == 0 and (out / "result.json").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return {**json.loads((out / "result.json").read_text()), "out": out}
 
@@ -107,10 +125,30 @@ def test_a_full_dev_shm_ends_the_job_naming_it(data_dir: Path, tmp_path: Path) -
     script = 'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$@"'
     train = [sys.executable, "-m", "trainer.cli", "train", "--quiet", "--data", str(data_dir), "--run-dir", str(run)]
     proc = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
-         *train, "--steps", "12", "--ckpt-every", "6", "--ckpt-mode", "async", "--local-ckpt-every", "0"],
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            script,
+            "sh",
+            *train,
+            "--steps",
+            "12",
+            "--ckpt-every",
+            "6",
+            "--ckpt-mode",
+            "async",
+            "--local-ckpt-every",
+            "0",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == FATAL_EXIT_CODE, proc.stderr[-3000:]
     assert "no room in /dev/shm" in proc.stderr
     events = read_events(run)

@@ -14,6 +14,10 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NCCL + bf16 path); this machine has none")
 def test_gpu_check_script(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path / "gpu")], cwd=ROOT, capture_output=True, text=True, timeout=600
+        [str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path / "gpu")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -46,7 +46,11 @@ def test_a_stopped_writer_counts_as_hung_and_the_job_recovers(data_dir: Path, tm
     run = tmp_path / "run"
     command = [sys.executable, "-m", "trainer.cli", "train", "--quiet", "--data", str(data_dir), "--run-dir", str(run)]
     proc = subprocess.Popen(
-        [*command, "--steps", "40", "--ckpt-every", "5"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [*command, "--steps", "40", "--ckpt-every", "5"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     stopped: list[psutil.Process] = []
     try:
@@ -72,8 +76,12 @@ def test_a_stopped_writer_counts_as_hung_and_the_job_recovers(data_dir: Path, tm
     events = read_events(run)
     hung = [e for e in events if isinstance(e, CheckpointFailed) and "writer hung" in e.error]
     assert hung, [e for e in events if isinstance(e, CheckpointFailed)]
-    assert hung[0].step in (10, 15, 20), hung[0]  # a save in flight at step 12, or the one the stopped writers were given next
+    assert hung[0].step in (10, 15, 20), hung[
+        0
+    ]  # a save in flight at step 12, or the one the stopped writers were given next
     assert [e for e in events if isinstance(e, Restart)]
-    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in stopped), "the hung writers were not ended"
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in stopped), (
+        "the hung writers were not ended"
+    )
     (end,) = [e for e in events if isinstance(e, RunEnd)]
     assert (end.status, end.step, end.saved_step) == ("completed", 40, 40)

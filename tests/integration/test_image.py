@@ -49,23 +49,47 @@ def build_image_env(dockerfile: str, tmp_path: Path) -> subprocess.CompletedProc
             shutil.copy(ROOT / src, context / src)
     # The wheel is built by this venv's pip (it only writes the wheel); the fresh venv's own pip
     # installs it, so this venv's editable install of the repository is never touched.
-    wheel = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "wheel"), str(context)]
+    wheel = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "-q",
+        "--no-deps",
+        "--no-build-isolation",
+        "-w",
+        str(tmp_path / "wheel"),
+        str(context),
+    ]
     proc = subprocess.run(wheel, capture_output=True, text=True, timeout=300)
     if proc.returncode:
         return proc
     env_dir = tmp_path / "image-venv"
     venv.create(env_dir, with_pip=True)
     python, deps = env_dir / "bin" / "python", sysconfig.get_path("purelib")
-    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], capture_output=True, text=True)
+    site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], capture_output=True, text=True
+    )
     # A plain path line: the dependencies, but not this venv's editable install of the repository.
     (Path(site.stdout.strip()) / "image_deps.pth").write_text(deps + "\n")
     steps = [
-        [python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", *map(str, (tmp_path / "wheel").glob("*.whl"))],
+        [
+            python,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            *map(str, (tmp_path / "wheel").glob("*.whl")),
+        ],
         [python, "-c", import_check(dockerfile)],
         [env_dir / "bin" / "rfsdp", "--help"],
     ]
     for cmd in steps:
-        proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ""})
+        proc = subprocess.run(
+            cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ""}
+        )
         if proc.returncode:
             return proc
     return proc
@@ -88,7 +112,9 @@ def test_a_dockerfile_that_leaves_a_package_out_fails_the_check(tmp_path: Path) 
     reason="no Docker engine runs on this machine: the image's environment is checked without one above",
 )
 def test_docker_build(tmp_path: Path) -> None:
-    proc = subprocess.run(["docker", "build", "-q", "-t", "resilient-fsdp:test", str(ROOT)], capture_output=True, text=True, timeout=3600)
+    proc = subprocess.run(
+        ["docker", "build", "-q", "-t", "resilient-fsdp:test", str(ROOT)], capture_output=True, text=True, timeout=3600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

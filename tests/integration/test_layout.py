@@ -59,14 +59,18 @@ def paths_above(root: Path, name: str, text: str) -> list[str]:
     the file's folder in Markdown (links), from the root elsewhere (code runs from the root)."""
     base = (root / name).parent if name.endswith(".md") else root
     return [
-        f"{name}: {m[0]}" for m in re.finditer(r"(?<![\w/.])(?:\.\./)+[\w.-]+", text) if not (base / m[0]).resolve().is_relative_to(root)
+        f"{name}: {m[0]}"
+        for m in re.finditer(r"(?<![\w/.])(?:\.\./)+[\w.-]+", text)
+        if not (base / m[0]).resolve().is_relative_to(root)
     ]
 
 
 def test_no_tracked_file_refers_to_a_path_above_the_repository() -> None:
     """A user's clone has no folder beside it: everything the code, tests and docs name lives in
     the repository."""
-    assert paths_above(ROOT, "tests/test_k8s.py", 'CRD = ROOT / "../beside-the-clone/pytorchjob.yaml"')  # it would catch this
+    assert paths_above(
+        ROOT, "tests/test_k8s.py", 'CRD = ROOT / "../beside-the-clone/pytorchjob.yaml"'
+    )  # it would catch this
     assert not paths_above(ROOT, "docs/events.md", "[back](../README.md), a/../../b")
     names = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     offenders = []

@@ -32,8 +32,12 @@ def in_a_mount_namespace(script: str, *args: str, timeout: float = 900) -> subpr
     env = {k: v for k, v in os.environ.items() if k != LOCAL_TIER_ROOT_ENV}
     return subprocess.run(
         ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 # Runs inside the mount namespace, on a private tmpfs at /dev/shm. (a) root made the old shared
@@ -85,7 +89,9 @@ def test_another_users_folder_in_dev_shm_does_not_break_a_run(data_dir: Path, tm
     out = tmp_path / "out"
     out.mkdir()
     script = 'mount -t tmpfs -o size=2g,mode=1777 tmpfs /dev/shm && exec "$1" -c "$2" "$3" "$4" "$5" "$6"'
-    proc = in_a_mount_namespace(script, sys.executable, USERS, str(data_dir), str(out), json.dumps(nobody), NOBODYS_TIER)
+    proc = in_a_mount_namespace(
+        script, sys.executable, USERS, str(data_dir), str(out), json.dumps(nobody), NOBODYS_TIER
+    )
     assert proc.returncode == 0 and (out / "result.json").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "result.json").read_text())
     assert result["nobody"]["rc"] == 0, result["nobody"]["stderr"]
@@ -105,7 +111,7 @@ def test_another_users_folder_in_dev_shm_does_not_break_a_run(data_dir: Path, tm
 # and fills the tmpfs once the launcher checked that it has room (it made the logs folder), long
 # before a rank is up. (Later would be too late: two snapshots written, the tier's next ones reuse
 # their memory.)
-FULL = r"""
+FULL = """
 import json, subprocess, sys, time
 from pathlib import Path
 
@@ -113,7 +119,8 @@ tier, data, run = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 train = subprocess.Popen(
     [sys.executable, "-m", "trainer.cli", "train", "--quiet", "--data", data, "--run-dir", str(run), "--steps", "30",
      "--ckpt-every", "10", "--local-ckpt-every", "1"],
-    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**__import__("os").environ, "RFSDP_LOCAL_TIER_ROOT": str(tier)},
+    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, \
+env={**__import__("os").environ, "RFSDP_LOCAL_TIER_ROOT": str(tier)},
 )
 while train.poll() is None and not (run / "logs").is_dir():
     time.sleep(0.01)

@@ -27,16 +27,27 @@ LOCAL = ("--ckpt-every", "10", "--local-ckpt-every", "1")
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (("--nnodes", "1", "--local-ckpt-every", "1", "--local-replicas", "1"),
-         "--local-replicas: 1 replica(s) of local snapshots need other nodes to hold them, but nnodes is 1"),
-        (("--nnodes", "2", "--nproc-per-node", "1", "--local-ckpt-every", "1", "--local-replicas", "2"),
-         "--local-replicas: 2 replicas of local snapshots need 3 nodes (one per copy), but nnodes is 2"),
-        (("--nnodes", "2", "--nproc-per-node", "1", "--local-ckpt-every", "0", "--local-replicas", "1"),
-         "--local-replicas: 1 replica(s) of local snapshots need --local-ckpt-every (0: off)"),
-        (("--local-ckpt-every", "1", "--local-replicas", "-2"), "--local-replicas: must be at least 0 (or -1: the default rule), got -2"),
+        (
+            ("--nnodes", "1", "--local-ckpt-every", "1", "--local-replicas", "1"),
+            "--local-replicas: 1 replica(s) of local snapshots need other nodes to hold them, but nnodes is 1",
+        ),
+        (
+            ("--nnodes", "2", "--nproc-per-node", "1", "--local-ckpt-every", "1", "--local-replicas", "2"),
+            "--local-replicas: 2 replicas of local snapshots need 3 nodes (one per copy), but nnodes is 2",
+        ),
+        (
+            ("--nnodes", "2", "--nproc-per-node", "1", "--local-ckpt-every", "0", "--local-replicas", "1"),
+            "--local-replicas: 1 replica(s) of local snapshots need --local-ckpt-every (0: off)",
+        ),
+        (
+            ("--local-ckpt-every", "1", "--local-replicas", "-2"),
+            "--local-replicas: must be at least 0 (or -1: the default rule), got -2",
+        ),
     ],
-)  # fmt: skip
-def test_impossible_replicas_are_refused_before_launch(data_dir: Path, tmp_path: Path, flags: tuple[str, ...], message: str) -> None:
+)
+def test_impossible_replicas_are_refused_before_launch(
+    data_dir: Path, tmp_path: Path, flags: tuple[str, ...], message: str
+) -> None:
     run = tmp_path / "run"
     proc = rfsdp("train", "--quiet", "--data", str(data_dir), "--run-dir", str(run), *flags)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
@@ -53,7 +64,8 @@ REPLICA_PROBE = textwrap.dedent(
 
     def tier(root, run_dir, group):
         groups = replication_groups([[0, 1]], resume_timeout_s=60, save_timeout_s=60)
-        return LocalTier(root, every=1, group=group, save_group=group, events=EventLog(run_dir, dist.get_rank()), replication=groups)
+        return LocalTier(root, every=1, group=group, save_group=group, events=EventLog(run_dir, dist.get_rank()), \
+replication=groups)
 
     def resume(root, run_dir, group):
         found = tier(root, run_dir, group)
@@ -84,7 +96,8 @@ REPLICA_PROBE = textwrap.dedent(
             shutil.rmtree(first.directory)
         dist.barrier(group)
         after_loss = resume(root, run_dir, group)
-        (out / f"rank{rank}.json").write_text(json.dumps({"held": held, "after_rot": after_rot, "after_loss": after_loss}))
+        (out / f"rank{rank}.json").write_text(json.dumps({"held": held, "after_rot": after_rot, \
+"after_loss": after_loss}))
         dist.destroy_process_group()
 
     if __name__ == "__main__":
@@ -106,15 +119,21 @@ def test_a_rank_gets_its_snapshot_back_from_its_peer(tmp_path: Path) -> None:
     port = str(29000 + os.getpid() % 1000)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     procs = [
-        subprocess.Popen([sys.executable, str(script), str(tmp_path / "tier" / "run"), str(run_dir), str(out)],
-                         env={**env, "RANK": str(r)}, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path / "tier" / "run"), str(run_dir), str(out)],
+            env={**env, "RANK": str(r)},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for r in range(2)
-    ]  # fmt: skip
+    ]
     errors = [p.communicate(timeout=180)[1] for p in procs]
     assert all(p.returncode == 0 for p in procs), errors
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for rank, result in enumerate(results):
-        assert result["held"] == [f"iter_000000{s}_{r}_local.pt" for s in (2, 3) for r in (0, 1)]  # two steps x (own + peer's)
+        assert result["held"] == [
+            f"iter_000000{s}_{r}_local.pt" for s in (2, 3) for r in (0, 1)
+        ]  # two steps x (own + peer's)
         assert result["after_rot"] == {"step": 3, "source": "peer", "w": [[10.0 * rank + 3] * 2] * 3, "saved_step": 3}
         assert result["after_loss"] == {"step": 2, "source": "peer", "w": [[10.0 * rank + 2] * 2] * 3, "saved_step": 2}
     skipped = [(e.rank, e.step, e.kind) for e in read_events(run_dir) if isinstance(e, RunWarning)]
@@ -156,7 +175,9 @@ def test_a_completed_run_leaves_nothing_in_dev_shm(local_faulted: Path) -> None:
     assert not tier_of(local_faulted).exists()
 
 
-def test_a_corrupt_local_snapshot_is_skipped_for_the_older_one(data_dir: Path, baseline_60: Path, tmp_path: Path) -> None:
+def test_a_corrupt_local_snapshot_is_skipped_for_the_older_one(
+    data_dir: Path, baseline_60: Path, tmp_path: Path
+) -> None:
     """Rank 1 flips a byte of its newest snapshot (step 14) and raises: every rank resumes from step
     13, the newest one all of them verify. A run stopped (not completed) has its tier removed too
     when ``rfsdp train`` ends: /dev/shm is memory, and its last step is durable."""
@@ -167,9 +188,17 @@ def test_a_corrupt_local_snapshot_is_skipped_for_the_older_one(data_dir: Path, b
         (skipped,) = [e for e in events if isinstance(e, RunWarning) and e.kind == "local_snapshot_skipped"]
         assert (skipped.rank, skipped.step) == (1, 14) and "fails its checksum" in skipped.reason
         (restart,) = select(events, Restart)
-        assert (restart.layer, restart.source, restart.resumed_from_step, restart.lost_steps) == ("in_process", "local", 13, 1)
+        assert (restart.layer, restart.source, restart.resumed_from_step, restart.lost_steps) == (
+            "in_process",
+            "local",
+            13,
+            1,
+        )
         assert losses(run) == {step: loss for step, loss in losses(baseline_60).items() if step <= 20}
-        assert [e.step for e in select(events, Checkpoint) if e.tier == "local"][-2:] == [18, 19]  # written, then removed
+        assert [e.step for e in select(events, Checkpoint) if e.tier == "local"][-2:] == [
+            18,
+            19,
+        ]  # written, then removed
         assert not tier_of(run).exists()
     finally:
         shutil.rmtree(tier_of(run), ignore_errors=True)

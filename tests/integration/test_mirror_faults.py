@@ -79,7 +79,9 @@ def test_events_are_uploaded_only_when_they_changed(s3_bucket: str, tmp_path: Pa
     uri = f"{s3_bucket}/run"
     mirror = CheckpointMirror(uri, run, keep_last=3)
     puts: list[str] = []
-    mirror.store.client.meta.events.register("before-parameter-build.s3.PutObject", lambda params, **_: puts.append(params["Key"]))
+    mirror.store.client.meta.events.register(
+        "before-parameter-build.s3.PutObject", lambda params, **_: puts.append(params["Key"])
+    )
     mirror.submit(fake_checkpoint(run, 5))
     assert mirror.close() is True
     events_key = f"run/{EVENTS_FILE}"
@@ -96,7 +98,9 @@ def test_events_are_uploaded_only_when_they_changed(s3_bucket: str, tmp_path: Pa
     assert store.read_bytes(EVENTS_FILE) == (run / EVENTS_FILE).read_bytes()
 
 
-def test_failed_multipart_upload_is_aborted_even_when_the_transfer_abort_is_lost(s3_bucket: str, tmp_path: Path) -> None:
+def test_failed_multipart_upload_is_aborted_even_when_the_transfer_abort_is_lost(
+    s3_bucket: str, tmp_path: Path
+) -> None:
     store = S3Storage(f"{s3_bucket}/big", part_size=5 << 20)
     src = tmp_path / "big.bin"
     src.write_bytes(os.urandom(11 << 20))

@@ -34,7 +34,9 @@ def run_a(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Pat
     return run, mirror
 
 
-def test_another_run_on_the_same_mirror_is_refused_and_leaves_it_alone(run_a: tuple[Path, Path], other_data: Path, tmp_path: Path) -> None:
+def test_another_run_on_the_same_mirror_is_refused_and_leaves_it_alone(
+    run_a: tuple[Path, Path], other_data: Path, tmp_path: Path
+) -> None:
     """Reproduction: run B (fresh run dir, other data, the same hyperparameters) on A's mirror
     location restored A's step 10, trained on its own data, and its retention emptied A's steps."""
     _, owned = run_a
@@ -58,11 +60,27 @@ def test_a_garbage_remote_latest_is_ignored_and_the_newest_verifying_checkpoint_
     shutil.copytree(owned, mirror)
     (mirror / CHECKPOINTS / "latest").write_bytes(b"\xff\xfe../../elsewhere\n")
     fresh = tmp_path / "fresh"
-    train(data_dir, fresh, "--steps", "20", "--stop-at-step", "12", "--ckpt-every", "5", "--keep-last", "2",
-          "--local-ckpt-every", "0", "--checkpoint-uri", str(mirror))  # fmt: skip
+    train(
+        data_dir,
+        fresh,
+        "--steps",
+        "20",
+        "--stop-at-step",
+        "12",
+        "--ckpt-every",
+        "5",
+        "--keep-last",
+        "2",
+        "--local-ckpt-every",
+        "0",
+        "--checkpoint-uri",
+        str(mirror),
+    )
     events = read_events(fresh)
     assert [e.step for e in events if isinstance(e, MirrorRestore)] == [10]
     (warning,) = [e for e in events if isinstance(e, RunWarning) and e.kind == "latest_repaired"]
     assert warning.step == 10 and warning.was.startswith("remote ")
     assert [e.status for e in events if isinstance(e, RunEnd)][-1] == "stopped"
-    assert (mirror / CHECKPOINTS / "latest").read_text() == "step_000012\n"  # the stop's checkpoint, mirrored: repaired there too
+    assert (
+        mirror / CHECKPOINTS / "latest"
+    ).read_text() == "step_000012\n"  # the stop's checkpoint, mirrored: repaired there too

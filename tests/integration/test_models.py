@@ -15,7 +15,13 @@ from tests.conftest import losses, rfsdp, train
 from trainer.data.shards import load_split
 from trainer.events import Restart, RunStart, read_events, select
 
-SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 RUN = ("--steps", "12", "--ckpt-every", "4", "--seq-len", "32", "--batch-size", "4")
 
 
@@ -24,7 +30,9 @@ def save_model(out: Path, family: str, *, weights: bool, vocab_size: int = 320, 
     (``save_pretrained``) or its config alone."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-    config = {"llama": LlamaConfig, "qwen2": Qwen2Config}[family](vocab_size=vocab_size, max_position_embeddings=128, **{**SHAPE, **shape})
+    config = {"llama": LlamaConfig, "qwen2": Qwen2Config}[family](
+        vocab_size=vocab_size, max_position_embeddings=128, **{**SHAPE, **shape}
+    )
     if weights:
         torch.manual_seed(7)
         AutoModelForCausalLM.from_config(config).save_pretrained(out)
@@ -56,7 +64,9 @@ def first_step_loss(model_dir: Path, data: Path) -> float:
         inputs, targets = TokenLoader(tokens, 32, 4, rank=rank, world_size=2).next_batch()
         with torch.no_grad():
             logits = model(input_ids=inputs).logits
-        per_rank.append(float(torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))))
+        per_rank.append(
+            float(torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1)))
+        )
     return sum(per_rank) / 2
 
 
@@ -96,7 +106,9 @@ def test_a_resumed_hf_run_validates_with_all_six_checks(llama_weights: Path, dat
     )
 
 
-def test_grad_accumulation_and_activation_checkpointing_train_the_same_model(llama_weights: Path, data_dir: Path, tmp_path: Path) -> None:
+def test_grad_accumulation_and_activation_checkpointing_train_the_same_model(
+    llama_weights: Path, data_dir: Path, tmp_path: Path
+) -> None:
     """Recomputing activations changes no number; two micro-batches of 2 make one step of 4 sequences."""
     plain, recomputed = tmp_path / "plain", tmp_path / "recomputed"
     common = ("--model", f"hf:{llama_weights}", "--steps", "4", "--ckpt-every", "4", "--seq-len", "32")
@@ -128,5 +140,8 @@ def test_bad_models_are_refused_before_any_worker_starts(llama_weights: Path, da
         run = tmp_path / "runs" / model.split("/")[-1].replace(":", "_")
         proc = rfsdp("train", "--quiet", "--data", str(data_dir), "--run-dir", str(run), "--model", model)
         assert proc.returncode == 2, (model, proc.stderr[-2000:])
-        assert "--model" in proc.stderr and problem in proc.stderr and "Traceback" not in proc.stderr, (model, proc.stderr[-2000:])
+        assert "--model" in proc.stderr and problem in proc.stderr and "Traceback" not in proc.stderr, (
+            model,
+            proc.stderr[-2000:],
+        )
         assert not run.exists(), model  # nothing written

@@ -36,12 +36,24 @@ def test_a_kubernetes_run_local_without_root_is_refused_before_anything_starts(t
     """backend=kubernetes runs on the emulated cluster, which needs root: another user is refused
     in one line naming the parameter (as root, the command runs as nobody)."""
     root = tmp_path / "root"
-    command = [sys.executable, "-m", "trainer.cli", "pipeline", "run-local", "--root", str(root), "--set", "backend=kubernetes"]
+    command = [
+        sys.executable,
+        "-m",
+        "trainer.cli",
+        "pipeline",
+        "run-local",
+        "--root",
+        str(root),
+        "--set",
+        "backend=kubernetes",
+    ]
     command += ["--set", f"tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
     proc = subprocess.run(as_unprivileged(command), cwd="/", capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     (line,) = proc.stderr.strip().splitlines()
-    assert line.startswith("rfsdp pipeline: error: backend: run-local runs kubernetes on the emulated cluster, which needs root")
+    assert line.startswith(
+        "rfsdp pipeline: error: backend: run-local runs kubernetes on the emulated cluster, which needs root"
+    )
     assert not root.exists() and not (tmp_path / "mlflow.db").exists(), "nothing may be started or written"
 
 
@@ -63,7 +75,10 @@ class NotKfp(BaseHTTPRequestHandler):
 @pytest.mark.parametrize("kind", ["unreachable", "not-kfp"])
 def test_submit_to_a_host_that_is_not_kfp_is_one_line(tmp_path: Path, kind: str) -> None:
     if kind == "unreachable":
-        host, expected = "http://127.0.0.1:9", "--host: cannot reach http://127.0.0.1:9"  # port 9 (discard): nothing listens
+        host, expected = (
+            "http://127.0.0.1:9",
+            "--host: cannot reach http://127.0.0.1:9",
+        )  # port 9 (discard): nothing listens
     else:
         httpd = ThreadingHTTPServer(("127.0.0.1", 0), NotKfp)
         threading.Thread(target=httpd.serve_forever, daemon=True).start()
@@ -83,7 +98,9 @@ def test_submit_to_a_host_that_is_not_kfp_is_one_line(tmp_path: Path, kind: str)
 
 
 # --------------------------------------------------------------------- end to end
-def test_train_step_two_replicas_one_rendezvous(data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_train_step_two_replicas_one_rendezvous(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The train component's local backend on 2 replicas x 1 process: two ft_launchers meet in one
     c10d rendezvous through the PET_* contract, and an exception on rank 1 is recovered in-process.
     The run dir lives on the (local stand-in for the) shared volume under the run's name.
@@ -127,7 +144,9 @@ def test_a_preempted_local_job_fails_the_train_step_and_is_logged_failed(
     monkeypatch.setenv(WORKSPACE_ENV, str(tmp_path / "workspace"))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     params = {k: v for k, v in parameter_defaults().items() if k in train.component_spec.inputs}
-    params.update(steps=12, ckpt_every=4, nnodes=1, nproc_per_node=2, fault="sigterm@6:0", backend="local", tracking_uri=uri)
+    params.update(
+        steps=12, ckpt_every=4, nnodes=1, nproc_per_node=2, fault="sigterm@6:0", backend="local", tracking_uri=uri
+    )
     params.update(training_run="preempted", pipeline_job="resilient-fsdp-training-p1", pipeline_job_id="kfp-p1")
     message = "preempted at step 6; start a run with training_run=preempted to resume"
     with pytest.raises(RuntimeError, match=f"^{message}$"):
@@ -136,7 +155,18 @@ def test_a_preempted_local_job_fails_the_train_step_and_is_logged_failed(
     logged = log_pipeline_run(
         state="FAILED",
         error_message="Task exit-handler-1 failed.",
-        **{k: params[k] for k in ("training_run", "backend", "tracking_uri", "experiment", "pipeline_job", "pipeline_job_id", "image")},
+        **{
+            k: params[k]
+            for k in (
+                "training_run",
+                "backend",
+                "tracking_uri",
+                "experiment",
+                "pipeline_job",
+                "pipeline_job_id",
+                "image",
+            )
+        },
     )
     run = mlflow.MlflowClient(tracking_uri=uri).get_run(logged.mlflow_run_id)
     assert run.info.status == "FAILED" and run.data.tags[FAILED_STEP_TAG] == TRAIN_STEP
@@ -159,9 +189,26 @@ def test_mlflow_follows_the_train_step_under_the_name_the_exit_handler_logs(
     from components.runs import live_tracking, log_pipeline_run, run_root
 
     monkeypatch.setenv(WORKSPACE_ENV, str(tmp_path / "workspace"))
-    kfp = {"backend": "local", "pipeline_job": "resilient-fsdp-training-x7k2p", "pipeline_job_id": "kfp-1", "image": "rfsdp:test"}
+    kfp = {
+        "backend": "local",
+        "pipeline_job": "resilient-fsdp-training-x7k2p",
+        "pipeline_job_id": "kfp-1",
+        "image": "rfsdp:test",
+    }
     run_dir, client = run_root("live-step") / "run", mlflow.MlflowClient(mlflow_server.uri)
-    cmd = [sys.executable, "-m", "trainer.cli", "train", "--quiet", "--data", str(data_dir), "--run-dir", str(run_dir), "--steps", "2000"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer.cli",
+        "train",
+        "--quiet",
+        "--data",
+        str(data_dir),
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        "2000",
+    ]
     with live_tracking(run_dir, tracking_uri=mlflow_server.uri, experiment="step", training_run="live-step", **kfp):
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline, seen = time.monotonic() + 300, None
@@ -176,7 +223,12 @@ def test_mlflow_follows_the_train_step_under_the_name_the_exit_handler_logs(
     assert seen.info.status == "RUNNING" and seen.info.run_name == "live-step @ resilient-fsdp-training-x7k2p"
     assert seen.data.tags["kfp_run_id"] == "kfp-1" and seen.data.tags["image"] == "rfsdp:test"
     logged = log_pipeline_run(
-        state="SUCCEEDED", error_message="", training_run="live-step", tracking_uri=mlflow_server.uri, experiment="step", **kfp
+        state="SUCCEEDED",
+        error_message="",
+        training_run="live-step",
+        tracking_uri=mlflow_server.uri,
+        experiment="step",
+        **kfp,
     )
     assert logged.mlflow_run_id == seen.info.run_id and client.get_run(seen.info.run_id).info.status == "FINISHED"
     assert len(client.search_runs([seen.info.experiment_id])) == 1
@@ -219,17 +271,22 @@ def test_a_ui_run_without_a_tracking_uri_is_refused_by_the_first_step_and_logged
     run = mlflow.MlflowClient(tracking_uri=uri).get_run(logged.mlflow_run_id)
     assert run.info.status == "FAILED" and run.data.tags[FAILED_STEP_TAG] == CHECK_STEP
     # What ran: the KFP run, the image, the code's version and commit (this checkout's HEAD).
-    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+    ).stdout.strip()
     assert run.data.tags["kfp_run_id"] == "kfp-1" and run.data.tags["image"] == "registry.example/resilient-fsdp:0.1.0"
     assert run.data.tags.get("mlflow.source.git.commit") == (head or None) and run.data.tags["rfsdp.version"] == "0.1.0"
     assert (
-        run.data.tags[FAILURE_REASON_TAG] == "ParameterError: fault: exception@5:0 and sigkill@5:1 are both at step 5: one fault per step"
+        run.data.tags[FAILURE_REASON_TAG]
+        == "ParameterError: fault: exception@5:0 and sigkill@5:1 are both at step 5: one fault per step"
     )
     assert logged.headline == {} and CHECK_STEP in logged.markdown and f"]({logged.mlflow_url})" in logged.markdown
     assert not (tmp_path / "workspace" / name / "run").exists(), "nothing was started"
 
 
-def test_the_exit_handler_never_follows_a_refused_name_into_another_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_exit_handler_never_follows_a_refused_name_into_another_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``training_run=./victim`` is refused by the check step; the exit handler then logs a FAILED
     run of its own that names the refusal, and the run ``victim`` (its folder, its MLflow run) is
     left exactly as it was."""
@@ -249,7 +306,9 @@ def test_the_exit_handler_never_follows_a_refused_name_into_another_run(tmp_path
     events.emit(Step(step=2, loss=2.0, step_time_s=0.1, tokens=100))
     events.emit(RunEnd(status="completed", step=2))
     client = mlflow.MlflowClient(tracking_uri=uri)
-    victim_id = log_run(victim_dir, tracking_uri=uri, experiment="ui", tags={"training_run": "victim"}, run_name="victim")
+    victim_id = log_run(
+        victim_dir, tracking_uri=uri, experiment="ui", tags={"training_run": "victim"}, run_name="victim"
+    )
     before = client.get_run(victim_id)
     files = {p: p.read_bytes() for p in workspace.rglob("*") if p.is_file()}
 
@@ -270,12 +329,18 @@ def test_the_exit_handler_never_follows_a_refused_name_into_another_run(tmp_path
     )
     assert logged.mlflow_run_id != victim_id
     after = client.get_run(victim_id)
-    assert (after.info.status, after.data.tags, after.data.metrics) == (before.info.status, before.data.tags, before.data.metrics)
+    assert (after.info.status, after.data.tags, after.data.metrics) == (
+        before.info.status,
+        before.data.tags,
+        before.data.metrics,
+    )
     assert after.info.status == "FINISHED" and FAILED_STEP_TAG not in after.data.tags
     assert {p: p.read_bytes() for p in workspace.rglob("*") if p.is_file()} == files, "the victim's folder is untouched"
     own = client.get_run(logged.mlflow_run_id)
     assert own.info.status == "FAILED" and own.data.tags[FAILED_STEP_TAG] == CHECK_STEP
-    assert own.data.tags[FAILURE_REASON_TAG].startswith("ParameterError: training_run: './victim' is not a DNS-1035 label")
+    assert own.data.tags[FAILURE_REASON_TAG].startswith(
+        "ParameterError: training_run: './victim' is not a DNS-1035 label"
+    )
     assert logged.headline == {}
 
 
@@ -297,7 +362,8 @@ from trainer.events import EventLog, FaultFired, Restart, Step
 
 with steps_to_log(Path({str(log)!r}), Path({str(workspace)!r}), last_step=8):
     print("12:00:00.000 - INFO - Executing task \\x1b[96m'train'\\x1b[0m", flush=True)
-    subprocess.run([sys.executable, "-c", "import sys; print('executor_input of a step'); print('a warning', file=sys.stderr)"])
+    subprocess.run([sys.executable, "-c", \
+"import sys; print('executor_input of a step'); print('a warning', file=sys.stderr)"])
     run = Path({str(workspace)!r}) / "new" / "run"
     run.mkdir(parents=True)
     events = EventLog(run, 0)
@@ -306,7 +372,8 @@ with steps_to_log(Path({str(log)!r}), Path({str(workspace)!r}), last_step=8):
     time.sleep(0.5)
     events.emit(Restart(layer="in_process", attempt=1, resumed_from_step=0, lost_steps=1, recovery_s=1.25))
     events.emit(Step(step=8, loss=2.0, step_time_s=0.1, tokens=100))
-    print("12:00:09.000 - INFO - Task \\x1b[96m'train'\\x1b[0m finished with status \\x1b[92mSUCCESS\\x1b[0m", flush=True)
+    print("12:00:09.000 - INFO - Task \\x1b[96m'train'\\x1b[0m finished with status \\x1b[92mSUCCESS\\x1b[0m", \
+flush=True)
 print("after")
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)

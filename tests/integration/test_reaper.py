@@ -36,9 +36,22 @@ def run_hanging_test(tmp_path: Path, *, reaper: bool) -> int:
     conftest = f"import sys\nsys.path.insert(0, {str(TESTS)!r})\nfrom reaper import reap_test_processes  # noqa: F401\n"
     (tmp_path / "conftest.py").write_text(conftest if reaper else "")
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(tmp_path / "test_hang.py")],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path / "test_hang.py"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1 and "Timeout" in proc.stdout, proc.stdout[-2000:]
     return int(pid_file.read_text())
 

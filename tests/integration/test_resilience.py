@@ -69,7 +69,9 @@ EACH_FAULT = {"exception@12:1": "in_process", "sigkill@23:0": "in_job", "hang@34
 def faulted_run(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> FaultedRun:
     run = tmp_path_factory.mktemp("faulted") / "run"
     faults = ",".join(EACH_FAULT) + ",corrupt-event@50"
-    proc = train(data_dir, run, "--steps", "60", "--local-ckpt-every", "0", "--fault", faults, "--max-restarts", "5", timeout=900)
+    proc = train(
+        data_dir, run, "--steps", "60", "--local-ckpt-every", "0", "--fault", faults, "--max-restarts", "5", timeout=900
+    )
     return FaultedRun(run, proc.stdout)
 
 
@@ -101,7 +103,9 @@ def test_each_fault_is_recovered_exactly(faulted_run: FaultedRun, baseline_60: P
 
 
 @pytest.mark.parametrize(("fault", "layer"), EACH_FAULT.items())
-def test_each_fault_loses_at_most_one_step_with_the_local_tier(faulted_run_local: Path, baseline_60: Path, fault: str, layer: str) -> None:
+def test_each_fault_loses_at_most_one_step_with_the_local_tier(
+    faulted_run_local: Path, baseline_60: Path, fault: str, layer: str
+) -> None:
     """Every rank fault, hang included, resumes from the snapshot in its node's memory: at most one
     step redone (the last step's snapshot may still be being written when the fault comes)."""
     kind, step = fault.split(":")[0].split("@")
@@ -117,7 +121,10 @@ def test_rank_0_prints_progress_and_each_restart(faulted_run: FaultedRun) -> Non
     """What ``kubectl logs`` of worker 0 shows: a line every 10 steps and one per restart."""
     log = "".join(p.read_text() for p in sorted((faulted_run.run / "logs").glob("replica_*.log")))
     for r in restarts(faulted_run.run):
-        assert f"restart {r.attempt} ({r.layer}): resumed from step {r.resumed_from_step}, {r.lost_steps} steps redone" in log
+        assert (
+            f"restart {r.attempt} ({r.layer}): resumed from step {r.resumed_from_step}, {r.lost_steps} steps redone"
+            in log
+        )
     assert re.search(r"^step 60/60  loss \d+\.\d{4}  [\d,]+ tok/s  restarts 4$", log, re.MULTILINE), log[-2000:]
     assert {int(m) for m in re.findall(r"^step (\d+)/60 ", log, re.MULTILINE)} >= {10, 20, 30, 40, 50, 60}
 
@@ -146,17 +153,33 @@ def test_every_recovery_and_save_has_its_timeline(faulted_run: FaultedRun) -> No
         assert list(r.phases) == [*new_process, *stages], r
         assert list(r.phases.values()) == sorted(r.phases.values()) and r.phases["first_step"] == r.recovery_s
     saves = [e for e in read_events(faulted_run.run) if isinstance(e, Checkpoint)]
-    async_phases = ["wait", "collect", "rank_state", "stage", "plan", "handoff", "copy", "copy_wait", "background", "agree", "publish"]
+    async_phases = [
+        "wait",
+        "collect",
+        "rank_state",
+        "stage",
+        "plan",
+        "handoff",
+        "copy",
+        "copy_wait",
+        "background",
+        "agree",
+        "publish",
+    ]
     # the first save of an incarnation first reports the writer's warm-up, done steps before it
     assert saves and list(saves[0].phases) == ["prepare", *async_phases]
     for c in saves:
         save_phases = {k: v for k, v in c.phases.items() if k != "prepare"}
         assert list(save_phases) == async_phases and min(c.phases.values()) >= 0
-        stalled = sum(list(save_phases.values())[:6]) + save_phases["copy_wait"]  # up to the hand-off, then for the copy
+        stalled = (
+            sum(list(save_phases.values())[:6]) + save_phases["copy_wait"]
+        )  # up to the hand-off, then for the copy
         assert abs(stalled - c.blocking_s) < 1e-6
 
 
-def _rank_of_an_aborted_attempt(rank: int, port: int, out: multiprocessing.Queue, rank_0_done: multiprocessing.synchronize.Event) -> None:
+def _rank_of_an_aborted_attempt(
+    rank: int, port: int, out: multiprocessing.Queue, rank_0_done: multiprocessing.synchronize.Event
+) -> None:
     """One rank of two: rank 0 enters a collective that rank 1 never joins; rank 1 aborts the
     attempt as the in-process wrapper does. Then both make the next attempt's group."""
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
@@ -191,7 +214,9 @@ def test_an_abort_fails_a_collective_blocked_on_a_faulted_peer_at_once() -> None
     context = multiprocessing.get_context("spawn")
     out, rank_0_done = context.Queue(), context.Event()
     port = free_port()
-    ranks = [context.Process(target=_rank_of_an_aborted_attempt, args=(rank, port, out, rank_0_done)) for rank in (0, 1)]
+    ranks = [
+        context.Process(target=_rank_of_an_aborted_attempt, args=(rank, port, out, rank_0_done)) for rank in (0, 1)
+    ]
     for process in ranks:
         process.start()
     try:
@@ -250,7 +275,19 @@ def test_sigterm_preempts_the_whole_job_gracefully(data_dir: Path, tmp_path: Pat
     """A scheduler stops `rfsdp train` with SIGTERM: every rank finishes its step, the step reached
     is checkpointed, the run ends `preempted`, the command exits 0, and no process is left."""
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "trainer.cli", "train", "--quiet", "--data", str(data_dir), "--run-dir", str(run), "--steps", "1000"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer.cli",
+        "train",
+        "--quiet",
+        "--data",
+        str(data_dir),
+        "--run-dir",
+        str(run),
+        "--steps",
+        "1000",
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 180
     while not any(isinstance(e, Step) for e in read_events(run)):  # the workers are training
@@ -261,12 +298,16 @@ def test_sigterm_preempts_the_whole_job_gracefully(data_dir: Path, tmp_path: Pat
     (end,) = [e for e in read_events(run) if isinstance(e, RunEnd)]
     assert proc.returncode == 0 and f"preempted at step {end.step}" in err, err
     assert end.status == "preempted" and end.step < 1000
-    assert latest_checkpoint(run).name == step_dir_name(end.step)  # the step reached, off the checkpoint interval or not
+    assert latest_checkpoint(run).name == step_dir_name(
+        end.step
+    )  # the step reached, off the checkpoint interval or not
     verify_checkpoint(latest_checkpoint(run))
     assert_nothing_of_the_run_left(run)
 
 
-def test_a_preempted_rank_stops_every_rank_and_the_run_resumes_exactly(data_dir: Path, baseline_60: Path, tmp_path: Path) -> None:
+def test_a_preempted_rank_stops_every_rank_and_the_run_resumes_exactly(
+    data_dir: Path, baseline_60: Path, tmp_path: Path
+) -> None:
     """`sigterm@20:1` preempts rank 1's container (SIGTERM to its ft_launcher, which forwards it):
     the ranks agree on a step, checkpoint it and exit 0; the same command resumes, which is a
     resume (`run_start`), not a fault recovery, and the trajectory is the uninterrupted one."""
@@ -309,7 +350,9 @@ def test_restarts_exhausted_keeps_last_good_checkpoint(data_dir: Path, tmp_path:
     """The second kill fires in step 30's save after its planning collective: every rank got there
     only after step 20 was published (a save first waits for the one before it)."""
     run = tmp_path / "run"
-    proc = train(data_dir, run, "--steps", "40", "--fault", "sigkill@15:0,sigkill@30/plan:1", "--max-restarts", "1", check=False)
+    proc = train(
+        data_dir, run, "--steps", "40", "--fault", "sigkill@15:0,sigkill@30/plan:1", "--max-restarts", "1", check=False
+    )
     assert proc.returncode == 1 and "failed" in proc.stderr
     events = read_events(run)
     assert isinstance(events[-1], RunEnd) and events[-1].status == "failed"
@@ -321,7 +364,19 @@ def test_a_full_disk_ends_the_job_for_good_and_keeps_the_last_checkpoint(data_di
     """ENOSPC on rank 1 (a real write to /dev/full): no in-process restart, a fatal event, ft_launcher's
     bounded restarts of the job exit at once, ``rfsdp train`` exits 3 naming the error."""
     run = tmp_path / "run"
-    proc = train(data_dir, run, "--steps", "30", "--ckpt-every", "5", "--fault", "enospc@12:1", "--max-restarts", "2", check=False)
+    proc = train(
+        data_dir,
+        run,
+        "--steps",
+        "30",
+        "--ckpt-every",
+        "5",
+        "--fault",
+        "enospc@12:1",
+        "--max-restarts",
+        "2",
+        check=False,
+    )
     assert proc.returncode == FATAL_EXIT_CODE, proc.stderr
     assert "no restart can fix" in proc.stderr and "No space left on device" in proc.stderr
     events = read_events(run)
@@ -355,7 +410,9 @@ def test_sigkill_during_background_write_never_publishes_it(data_dir: Path, tmp_
     """Rank 1 is killed right after handing its step-10 write to the background worker: the write
     is never finalized, so never published, and the job resumes from step 5."""
     run = tmp_path / "run"
-    train(data_dir, run, "--steps", "14", "--ckpt-every", "5", "--local-ckpt-every", "0", "--fault", "sigkill@10/write:1")
+    train(
+        data_dir, run, "--steps", "14", "--ckpt-every", "5", "--local-ckpt-every", "0", "--fault", "sigkill@10/write:1"
+    )
     events = read_events(run)
     (restart,) = restarts(run)
     # Rank 0 may log step 5's publication just after rank 1's fault: with the save plan cached,
@@ -387,10 +444,14 @@ def cpu_hogs(repeat: int) -> Iterator[int]:
 
 @pytest.mark.stress
 @pytest.mark.parametrize("repeat", range(REPEAT))
-def test_soft_fault_in_every_save_phase_recovers_in_process(data_dir: Path, baseline_60: Path, tmp_path: Path, cpu_hogs: int) -> None:
+def test_soft_fault_in_every_save_phase_recovers_in_process(
+    data_dir: Path, baseline_60: Path, tmp_path: Path, cpu_hogs: int
+) -> None:
     run = tmp_path / "run"
     faults = ("--fault", PHASE_FAULTS, "--max-inprocess-restarts", "8")
-    train(data_dir, run, "--steps", "60", "--ckpt-every", "5", "--local-ckpt-every", "0", *faults, timeout=900)  # the durable tier's saves
+    train(
+        data_dir, run, "--steps", "60", "--ckpt-every", "5", "--local-ckpt-every", "0", *faults, timeout=900
+    )  # the durable tier's saves
     events = read_events(run)
     fired = [(e.step, e.phase, e.rank) for e in events if isinstance(e, FaultFired)]
     assert fired == [(5 * (i + 1), phase, i % 2) for i, phase in enumerate(SAVE_PHASES * 2)]

@@ -20,7 +20,17 @@ from moto.server import ThreadedMotoServer
 from tests.conftest import losses, rfsdp, train
 from trainer.checkpoint import CHECKPOINTS, CheckpointError, latest_checkpoint, published_checkpoints, verify_checkpoint
 from trainer.data.shards import builtin_corpus_text, load_manifest
-from trainer.events import Mirror, MirrorFailed, MirrorRestore, RunEnd, RunStart, RunWarning, Step, final_losses, read_events
+from trainer.events import (
+    Mirror,
+    MirrorFailed,
+    MirrorRestore,
+    RunEnd,
+    RunStart,
+    RunWarning,
+    Step,
+    final_losses,
+    read_events,
+)
 from trainer.rank.config import TrainConfig
 from trainer.storage.mirror import CheckpointMirror
 from trainer.storage.store import Storage, fetch_run_dir, open_storage
@@ -159,7 +169,9 @@ def mirrored_run(s3_server: str, tmp_path_factory: pytest.TempPathFactory) -> Mi
     # Stop the server at the 2nd object of the first checkpoint: one object is already up.
     proxy = OutageProxy(f"PUT /{bucket}/run/checkpoints/step_000010/".encode(), nth=2, outage_s=3.0)
     stop, seen, violations = threading.Event(), [], []
-    watcher = threading.Thread(target=watch_latest, args=(open_storage(remote_run), stop, seen, violations), daemon=True)
+    watcher = threading.Thread(
+        target=watch_latest, args=(open_storage(remote_run), stop, seen, violations), daemon=True
+    )
     watcher.start()
     run = tmp_path_factory.mktemp("mirrored") / "run"
     with pytest.MonkeyPatch.context() as mp:
@@ -173,7 +185,9 @@ def mirrored_run(s3_server: str, tmp_path_factory: pytest.TempPathFactory) -> Mi
     return MirroredRun(bucket, data, remote_run, run, proxy, seen, violations)
 
 
-def test_s3_outage_mid_upload_never_publishes_a_partial_checkpoint(mirrored_run: MirroredRun, baseline_60: Path, tmp_path: Path) -> None:
+def test_s3_outage_mid_upload_never_publishes_a_partial_checkpoint(
+    mirrored_run: MirroredRun, baseline_60: Path, tmp_path: Path
+) -> None:
     proxy, run, remote_run = mirrored_run.proxy, mirrored_run.run, mirrored_run.remote_run
     assert proxy.stopped_at and proxy.restarted_at, "the outage never happened"
     events = read_events(run)
@@ -197,7 +211,9 @@ def test_s3_outage_mid_upload_never_publishes_a_partial_checkpoint(mirrored_run:
     verify_checkpoint(latest_checkpoint(fetched), world_size=2)
 
 
-def test_round_trip_through_s3_resumes_exactly(mirrored_run: MirroredRun, data_dir: Path, baseline_60: Path, tmp_path: Path) -> None:
+def test_round_trip_through_s3_resumes_exactly(
+    mirrored_run: MirroredRun, data_dir: Path, baseline_60: Path, tmp_path: Path
+) -> None:
     bucket, data, remote_run, first = mirrored_run.bucket, mirrored_run.data, mirrored_run.remote_run, mirrored_run.run
     remote_manifest = json.loads(open_storage(data).read_bytes("manifest.json"))
     assert remote_manifest["splits"] == load_manifest(data_dir)["splits"]  # same shards, same checksums
@@ -213,7 +229,9 @@ def test_round_trip_through_s3_resumes_exactly(mirrored_run: MirroredRun, data_d
     events = read_events(second)
     assert [e.step for e in events if isinstance(e, MirrorRestore)] == [30]
     (restored,) = [i for i, e in enumerate(events) if isinstance(e, MirrorRestore)]
-    assert {e.step for e in events[:restored] if isinstance(e, Step)} == set(range(1, 31))  # the first run's history came along
+    assert {e.step for e in events[:restored] if isinstance(e, Step)} == set(
+        range(1, 31)
+    )  # the first run's history came along
     assert [e.resumed_from_step for e in events[restored:] if isinstance(e, RunStart)] == [30]
     assert losses(second) == losses(baseline_60)  # all 60 steps, bit for bit
 
@@ -245,12 +263,18 @@ def test_round_trip_through_s3_resumes_exactly(mirrored_run: MirroredRun, data_d
     assert latest_checkpoint(third).name == "step_000050" and not list((third / CHECKPOINTS).glob("*.tmp*"))
 
 
-def test_validating_a_mirrored_run_leaves_the_mirror_and_the_run_untouched(mirrored_run: MirroredRun, tmp_path: Path) -> None:
+def test_validating_a_mirrored_run_leaves_the_mirror_and_the_run_untouched(
+    mirrored_run: MirroredRun, tmp_path: Path
+) -> None:
     """A copy of the run whose recorded config names the production mirror: the validator's replay
     and reshard write to neither (every remote object keeps its ETag and time; the run's record
     keeps its files and mtimes; an s3:// data set's verified cache is the one thing added)."""
     fetched = fetch_run_dir(mirrored_run.remote_run, tmp_path / "fetched")
-    assert any(e.config.get("checkpoint_uri") == mirrored_run.remote_run for e in read_events(fetched) if isinstance(e, RunStart))
+    assert any(
+        e.config.get("checkpoint_uri") == mirrored_run.remote_run
+        for e in read_events(fetched)
+        if isinstance(e, RunStart)
+    )
     intact = []  # another test in this module may have damaged the newest remote checkpoint
     for _, path in published_checkpoints(fetched / CHECKPOINTS):
         with contextlib.suppress(CheckpointError):

@@ -78,7 +78,9 @@ def test_corrupt_object_is_detected_on_read(s3_bucket: str, tmp_path: Path) -> N
     data = bytearray(src.read_bytes())
     data[1234] ^= 0xFF
     bucket = s3_bucket.removeprefix("s3://")
-    boto3.client("s3").put_object(Bucket=bucket, Key="ckpt/shard.bin", Body=bytes(data), Metadata={"sha256": info.sha256})
+    boto3.client("s3").put_object(
+        Bucket=bucket, Key="ckpt/shard.bin", Body=bytes(data), Metadata={"sha256": info.sha256}
+    )
     for read in (lambda: store.download("shard.bin", tmp_path / "got.bin"), lambda: store.read_bytes("shard.bin")):
         with pytest.raises(StorageError, match=rf"^{s3_bucket}/ckpt/shard.bin fails its checksum"):
             read()
@@ -147,7 +149,10 @@ def test_wrong_credentials(s3_server: str, s3_bucket: str, capsys: pytest.Captur
     finally:
         requests.post(f"{s3_server}/moto-api/reset-auth", data=b"inf", timeout=10).raise_for_status()
     message = str(err.value)
-    assert message == f"{s3_bucket}/run: access denied (InvalidAccessKeyId); check the AWS credentials in the environment or AWS config"
+    assert message == (
+        f"{s3_bucket}/run: access denied (InvalidAccessKeyId); "
+        "check the AWS credentials in the environment or AWS config"
+    )
     # The CLI checks the bucket first (HEAD: no error body, so only the status is known).
     hint = "check the AWS credentials in the environment or AWS config"
     assert (code, err_line) == (2, f"rfsdp prepare-data: error: {s3_bucket}/data: access denied (403); {hint}")
@@ -155,7 +160,9 @@ def test_wrong_credentials(s3_server: str, s3_bucket: str, capsys: pytest.Captur
         assert S3_SECRET not in text and "rfsdp-test-key" not in text
 
 
-def test_endpoint_down(s3_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+def test_endpoint_down(
+    s3_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     down = f"http://127.0.0.1:{free_port()}"
     monkeypatch.setenv("AWS_ENDPOINT_URL", down)
     with pytest.raises(StorageError, match=rf"^s3://bucket/run/events.jsonl: cannot reach the S3 endpoint {down}$"):
@@ -163,10 +170,15 @@ def test_endpoint_down(s3_server: str, tmp_path: Path, monkeypatch: pytest.Monke
     with pytest.raises(StorageError, match="cannot reach"):
         fetch_run_dir("s3://bucket/run", tmp_path / "run")
     code, err = cli(capsys, "train", "--quiet", "--data", "s3://bucket/data", "--run-dir", str(tmp_path / "r"))
-    assert (code, err) == (2, f"rfsdp train: error: --data: s3://bucket/data/manifest.json: cannot reach the S3 endpoint {down}")
+    assert (code, err) == (
+        2,
+        f"rfsdp train: error: --data: s3://bucket/data/manifest.json: cannot reach the S3 endpoint {down}",
+    )
 
 
-def test_a_mirror_of_another_run_is_refused_before_anything_starts(s3_bucket: str, data_dir: Path, tmp_path: Path) -> None:
+def test_a_mirror_of_another_run_is_refused_before_anything_starts(
+    s3_bucket: str, data_dir: Path, tmp_path: Path
+) -> None:
     from trainer.errors import ParameterError
     from trainer.launch.local import check_launch
     from trainer.launch.spec import LaunchSpec
@@ -174,9 +186,17 @@ def test_a_mirror_of_another_run_is_refused_before_anything_starts(s3_bucket: st
 
     remote = f"{s3_bucket}/run"
     other = TrainConfig(data=str(data_dir), run_dir=str(tmp_path / "other"), seed=7)
-    open_storage(remote).write_bytes("config.json", json.dumps({k: getattr(other, k) for k in TRAJECTORY_FIELDS}).encode())
+    open_storage(remote).write_bytes(
+        "config.json", json.dumps({k: getattr(other, k) for k in TRAJECTORY_FIELDS}).encode()
+    )
     mine = TrainConfig(data=str(data_dir), run_dir=str(tmp_path / "mine"), checkpoint_uri=remote)
-    with pytest.raises(ParameterError, match=rf"^--checkpoint-uri: {remote} mirrors another run \(seed: 7 there, 0 now\)"):
+    with pytest.raises(
+        ParameterError, match=rf"^--checkpoint-uri: {remote} mirrors another run \(seed: 7 there, 0 now\)"
+    ):
         check_launch(mine, LaunchSpec())
-    assert not (tmp_path / "mine").exists() and open_storage(remote).list() == ["config.json"]  # nothing written anywhere
-    check_launch(TrainConfig(data=str(data_dir), run_dir=str(tmp_path / "again"), checkpoint_uri=remote, seed=7), LaunchSpec())
+    assert not (tmp_path / "mine").exists() and open_storage(remote).list() == [
+        "config.json"
+    ]  # nothing written anywhere
+    check_launch(
+        TrainConfig(data=str(data_dir), run_dir=str(tmp_path / "again"), checkpoint_uri=remote, seed=7), LaunchSpec()
+    )

@@ -17,7 +17,18 @@ from mlflow import MlflowClient
 
 from tests.conftest import ROOT, MlflowServer, rfsdp
 from trainer.errors import ParameterError
-from trainer.events import Checkpoint, EventLog, Restart, RunEnd, RunStart, Step, SystemSample, from_record, read_events, summarize
+from trainer.events import (
+    Checkpoint,
+    EventLog,
+    Restart,
+    RunEnd,
+    RunStart,
+    Step,
+    SystemSample,
+    from_record,
+    read_events,
+    summarize,
+)
 from trainer.results.summary import VERDICT, headline_metrics
 from trainer.results.tracking import (
     EVENTS_HASH_TAG,
@@ -42,13 +53,20 @@ def _snapshot(client: MlflowClient, experiment: str) -> dict:
     out = {}
     for run in client.search_runs([exp.experiment_id]):
         rid = run.info.run_id
-        history = {k: sorted((m.step, m.timestamp, m.value) for m in client.get_metric_history(rid, k)) for k in run.data.metrics}
+        history = {
+            k: sorted((m.step, m.timestamp, m.value) for m in client.get_metric_history(rid, k))
+            for k in run.data.metrics
+        }
         out[rid] = {"params": run.data.params, "tags": run.data.tags, "metrics": history, "status": run.info.status}
     return out
 
 
 def _tree_digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_summary_definitions() -> None:
@@ -57,11 +75,28 @@ def test_summary_definitions() -> None:
         {"event": "run_start", "time": 100.0, "rank": 0, "config": {}, "resumed_from_step": 0, "world_size": 2},
         {"event": "step", "time": 101.0, "rank": 0, "step": 1, "loss": 5.0, "step_time_s": 1.0, "tokens": 100},
         {"event": "step", "time": 102.0, "rank": 0, "step": 2, "loss": 4.0, "step_time_s": 1.0, "tokens": 100},
-        {"event": "checkpoint", "time": 102.5, "rank": 0, "step": 2, "mode": "sync", "blocking_s": 0.5, "total_s": 1.0, "bytes": 2_000_000},
+        {
+            "event": "checkpoint",
+            "time": 102.5,
+            "rank": 0,
+            "step": 2,
+            "mode": "sync",
+            "blocking_s": 0.5,
+            "total_s": 1.0,
+            "bytes": 2_000_000,
+        },
         {"event": "fault", "time": 103.0, "rank": 1, "kind": "exception", "step": 3},
         {"event": "step", "time": 106.0, "rank": 0, "step": 3, "loss": 3.5, "step_time_s": 1.0, "tokens": 100},
-        {"event": "restart", "time": 106.0, "rank": 0, "layer": "in_process", "attempt": 1, "resumed_from_step": 2, "lost_steps": 0,
-         "recovery_s": 3.0},
+        {
+            "event": "restart",
+            "time": 106.0,
+            "rank": 0,
+            "layer": "in_process",
+            "attempt": 1,
+            "resumed_from_step": 2,
+            "lost_steps": 0,
+            "recovery_s": 3.0,
+        },
         {"event": "step", "time": 107.0, "rank": 0, "step": 4, "loss": 3.0, "step_time_s": 1.0, "tokens": 100},
         {"event": "run_end", "time": 107.0, "rank": 0, "status": "stopped", "step": 4},
         # resumed later from the step-2 checkpoint: steps 3 and 4 run again; the gap is not wall time
@@ -70,7 +105,7 @@ def test_summary_definitions() -> None:
         {"event": "step", "time": 202.0, "rank": 0, "step": 4, "loss": 3.0, "step_time_s": 0.5, "tokens": 100},
         {"event": "step", "time": 203.0, "rank": 0, "step": 5, "loss": 2.5, "step_time_s": 0.5, "tokens": 100},
         {"event": "run_end", "time": 203.5, "rank": 0, "status": "completed", "step": 5},
-    ]  # fmt: skip
+    ]
     ev = [from_record(r) for r in records]  # as read back from events.jsonl
     assert None not in ev
     s = summarize(ev)
@@ -85,10 +120,14 @@ def test_summary_definitions() -> None:
     assert s["tokens_per_s"] == pytest.approx(500 / 3.5)
 
 
-def test_faulty_run_logged_to_real_server(faulty_run: Path, mlflow_server: MlflowServer, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_faulty_run_logged_to_real_server(
+    faulty_run: Path, mlflow_server: MlflowServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     events = read_events(faulty_run)
     restarts = [e for e in events if isinstance(e, Restart)]
-    ckpts = [e for e in events if isinstance(e, Checkpoint) and e.tier == "durable"]  # the local tier's are logged apart
+    ckpts = [
+        e for e in events if isinstance(e, Checkpoint) and e.tier == "durable"
+    ]  # the local tier's are logged apart
     steps = [e for e in events if isinstance(e, Step)]
     assert {e.layer for e in restarts} == {"in_process", "in_job"}  # both faults really recovered
 
@@ -108,7 +147,9 @@ def test_faulty_run_logged_to_real_server(faulty_run: Path, mlflow_server: Mlflo
     assert m["lost_steps"] == sum(e.lost_steps for e in restarts)
     blocking = client.get_metric_history(run_id, "ckpt_blocking_s")
     assert sorted((x.step, x.value) for x in blocking) == sorted((e.step, e.blocking_s) for e in ckpts)
-    assert m["checkpoints"] == len(ckpts) and m["ckpt_blocking_s_total"] == pytest.approx(sum(e.blocking_s for e in ckpts))
+    assert m["checkpoints"] == len(ckpts) and m["ckpt_blocking_s_total"] == pytest.approx(
+        sum(e.blocking_s for e in ckpts)
+    )
     loss = client.get_metric_history(run_id, "loss")  # every step line, at its real time
     assert sorted((x.step, x.timestamp) for x in loss) == sorted((e.step, int(e.time * 1000)) for e in steps)
     redone = [e for i, e in enumerate(steps) if e.step <= max((s.step for s in steps[:i]), default=0)]
@@ -120,19 +161,37 @@ def test_faulty_run_logged_to_real_server(faulty_run: Path, mlflow_server: Mlflo
     assert m["final_loss"] == [e for e in steps if e.step == 30][-1].loss
     assert m["goodput"] == pytest.approx(summarize(events)["goodput"]) and 0 < m["goodput"] < 1
 
-    assert (p["ckpt_mode"], p["fault"], p["world_size"], p["backend"], p["steps"]) == ("async", SPEC, "2", "local", "30")
+    assert (p["ckpt_mode"], p["fault"], p["world_size"], p["backend"], p["steps"]) == (
+        "async",
+        SPEC,
+        "2",
+        "local",
+        "30",
+    )
     assert run.data.tags["kfp_run_id"] == "run-123" and run.data.tags["rfsdp.valid"] == "true"
     assert run.info.status == "FINISHED"
-    assert run_url(mlflow_server.uri, run_id) == f"{mlflow_server.uri}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
+    assert (
+        run_url(mlflow_server.uri, run_id)
+        == f"{mlflow_server.uri}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
+    )
 
     # artifacts: the events file byte for byte, the validation report, the restart table
     dst = Path(client.download_artifacts(run_id, "events.jsonl", str(faulty_run.parent / "dl")))
     assert dst.read_bytes() == (faulty_run / "events.jsonl").read_bytes()
-    assert json.loads(Path(client.download_artifacts(run_id, "validation.json", str(faulty_run.parent / "dl"))).read_text()) == validation
-    table = json.loads(Path(client.download_artifacts(run_id, "restarts.json", str(faulty_run.parent / "dl"))).read_text())
+    assert (
+        json.loads(
+            Path(client.download_artifacts(run_id, "validation.json", str(faulty_run.parent / "dl"))).read_text()
+        )
+        == validation
+    )
+    table = json.loads(
+        Path(client.download_artifacts(run_id, "restarts.json", str(faulty_run.parent / "dl"))).read_text()
+    )
     rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]
     assert [r["layer"] for r in rows] == [e.layer for e in restarts]
-    assert [r["recovery_s"] for r in rows] == pytest.approx([e.recovery_s for e in restarts])  # the table rounds to 10 digits
+    assert [r["recovery_s"] for r in rows] == pytest.approx(
+        [e.recovery_s for e in restarts]
+    )  # the table rounds to 10 digits
     assert [r["fault_kind"] for r in rows] == ["exception", "sigkill"]
 
     # logging again (through the CLI, the server named by MLFLOW_TRACKING_URI) changes nothing
@@ -141,16 +200,24 @@ def test_faulty_run_logged_to_real_server(faulty_run: Path, mlflow_server: Mlflo
     proc = rfsdp("log-mlflow", "--run-dir", str(faulty_run), "--experiment", "faulty")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == run_id
-    assert log_run(faulty_run, tracking_uri=mlflow_server.uri, experiment="faulty", tags=tags, validation=validation) == run_id
+    assert (
+        log_run(faulty_run, tracking_uri=mlflow_server.uri, experiment="faulty", tags=tags, validation=validation)
+        == run_id
+    )
     assert _snapshot(client, "faulty") == before
 
     # even a full re-log (as after a logging interrupted half-way) adds no duplicate point
     client.delete_tag(run_id, EVENTS_HASH_TAG)
-    assert log_run(faulty_run, tracking_uri=mlflow_server.uri, experiment="faulty", tags=tags, validation=validation) == run_id
+    assert (
+        log_run(faulty_run, tracking_uri=mlflow_server.uri, experiment="faulty", tags=tags, validation=validation)
+        == run_id
+    )
     assert _snapshot(client, "faulty") == before
 
 
-def test_default_store_is_local_sqlite_under_work(faulty_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_store_is_local_sqlite_under_work(
+    faulty_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     (tmp_path / "pyproject.toml").write_text("")
     (tmp_path / "notebooks").mkdir()
@@ -171,7 +238,9 @@ def test_bad_input_is_one_clear_line(tmp_path: Path) -> None:
     assert not (tmp_path / "x.db").exists()
 
 
-def test_server_down_retries_then_fails_clearly_and_nothing_is_lost(faulty_run: Path, mlflow_server: MlflowServer) -> None:
+def test_server_down_retries_then_fails_clearly_and_nothing_is_lost(
+    faulty_run: Path, mlflow_server: MlflowServer
+) -> None:
     uri = mlflow_server.uri
     before = _tree_digest(faulty_run)
     mlflow_server.stop()
@@ -181,7 +250,17 @@ def test_server_down_retries_then_fails_clearly_and_nothing_is_lost(faulty_run: 
             log_run(faulty_run, tracking_uri=uri, experiment="after-outage", retries=3, backoff_s=0.2)
         assert time.monotonic() - t0 >= 0.2 + 0.4  # backed off between the attempts
         assert "3 attempts" in str(err.value) and str(faulty_run) in str(err.value)
-        proc = rfsdp("log-mlflow", "--run-dir", str(faulty_run), "--tracking-uri", uri, "--experiment", "after-outage", "--retries", "2")
+        proc = rfsdp(
+            "log-mlflow",
+            "--run-dir",
+            str(faulty_run),
+            "--tracking-uri",
+            uri,
+            "--experiment",
+            "after-outage",
+            "--retries",
+            "2",
+        )
         assert proc.returncode == 1 and uri in proc.stderr and "Traceback" not in proc.stderr
     finally:
         mlflow_server.start()
@@ -194,7 +273,9 @@ def test_server_down_retries_then_fails_clearly_and_nothing_is_lost(faulty_run: 
     assert run.data.metrics["checkpoints"] == sum(isinstance(e, Checkpoint) and e.tier == "durable" for e in events)
 
 
-def test_a_pipeline_failure_is_logged_failed_then_cleared_when_the_run_succeeds(faulty_run: Path, tmp_path: Path) -> None:
+def test_a_pipeline_failure_is_logged_failed_then_cleared_when_the_run_succeeds(
+    faulty_run: Path, tmp_path: Path
+) -> None:
     """The exit handler's path: a failed pipeline run ends FAILED with the step and reason; the same
     run dir logged again after a successful resume is FINISHED with the failure tags gone."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -204,24 +285,36 @@ def test_a_pipeline_failure_is_logged_failed_then_cleared_when_the_run_succeeds(
     run = client.get_run(run_id)
     assert (run.info.status, run.info.run_name) == ("FAILED", "fsdp-a")
     assert run.data.tags[FAILED_STEP_TAG] == failure.step and run.data.tags[FAILURE_REASON_TAG] == failure.reason
-    assert run.data.metrics["restarts"] == sum(isinstance(e, Restart) for e in read_events(faulty_run))  # the events are logged too
+    assert run.data.metrics["restarts"] == sum(
+        isinstance(e, Restart) for e in read_events(faulty_run)
+    )  # the events are logged too
 
     assert log_run(faulty_run, tracking_uri=uri, experiment="failures") == run_id  # nothing new but the outcome
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
     assert not {FAILED_STEP_TAG, FAILURE_REASON_TAG} & set(run.data.tags)
-    assert run_url(uri, run_id) == f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run_id}"  # `mlflow ui`
+    assert (
+        run_url(uri, run_id) == f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run_id}"
+    )  # `mlflow ui`
 
 
 def test_a_run_that_failed_before_training_is_its_own_failed_run(faulty_run: Path, tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     failure = Failure("check parameters", "ParameterError: fault: exception@5:0 and sigkill@5:1 are both at step 5")
-    run_id = log_failed_attempt("kfp-run-1", failure, tracking_uri=uri, experiment="e", run_name="rfsdp-1", tags={"backend": "kubernetes"})
-    assert log_failed_attempt("kfp-run-1", failure, tracking_uri=uri, experiment="e", run_name="rfsdp-1") == run_id  # idempotent
+    run_id = log_failed_attempt(
+        "kfp-run-1", failure, tracking_uri=uri, experiment="e", run_name="rfsdp-1", tags={"backend": "kubernetes"}
+    )
+    assert (
+        log_failed_attempt("kfp-run-1", failure, tracking_uri=uri, experiment="e", run_name="rfsdp-1") == run_id
+    )  # idempotent
     other = log_failed_attempt("kfp-run-2", failure, tracking_uri=uri, experiment="e", run_name="rfsdp-2")
     assert other != run_id
     run = MlflowClient(uri).get_run(run_id)
-    assert run.info.status == "FAILED" and run.data.tags[FAILURE_REASON_TAG] == failure.reason and run.data.tags["backend"] == "kubernetes"
+    assert (
+        run.info.status == "FAILED"
+        and run.data.tags[FAILURE_REASON_TAG] == failure.reason
+        and run.data.tags["backend"] == "kubernetes"
+    )
     logged = log_run(faulty_run, tracking_uri=uri, experiment="e")
     assert [r.run_id for r in logged_runs("e", uri)] == [logged], "runs without events are not compared"
 
@@ -251,7 +344,12 @@ def test_headline_metrics_are_rounded_and_named_for_a_person(faulty_run: Path) -
 def test_malformed_tracking_uris_are_refused(uri: str, problem: str) -> None:
     with pytest.raises(ParameterError, match=f"^--tracking-uri: '{re.escape(uri)}' {problem}"):
         check_tracking_uri(uri)
-    for good in ("http://mlflow.ns:5000", "https://mlflow.example.com", "sqlite:////mnt/rfsdp/mlflow.db", "postgresql+psycopg2://u@db/m"):
+    for good in (
+        "http://mlflow.ns:5000",
+        "https://mlflow.example.com",
+        "sqlite:////mnt/rfsdp/mlflow.db",
+        "postgresql+psycopg2://u@db/m",
+    ):
         assert check_tracking_uri(good) == good
 
 
@@ -261,7 +359,18 @@ def test_mlflow_follows_a_run_while_it_trains(data_dir: Path, mlflow_server: Mlf
     MLflow (RUNNING) while it trains; preempted, the same MLflow run is completed, every step and
     every system sample once."""
     run = tmp_path / "run"
-    cmd = ["train", "--quiet", "--data", str(data_dir), "--run-dir", str(run), "--steps", "2000", "--tracking-uri", mlflow_server.uri]
+    cmd = [
+        "train",
+        "--quiet",
+        "--data",
+        str(data_dir),
+        "--run-dir",
+        str(run),
+        "--steps",
+        "2000",
+        "--tracking-uri",
+        mlflow_server.uri,
+    ]
     cmd += ["--nnodes", "2", "--nproc-per-node", "1", "--system-metrics-every", "1"]
     cpu = [f"system/node_{n}/cpu_utilization_percentage" for n in (0, 1)]
     proc = subprocess.Popen(
@@ -300,7 +409,9 @@ def test_a_tracking_server_that_is_down_costs_the_training_nothing(data_dir: Pat
         s.bind(("127.0.0.1", 0))
         down = f"http://127.0.0.1:{s.getsockname()[1]}"
     run = tmp_path / "run"
-    proc = rfsdp("train", "--quiet", "--data", str(data_dir), "--run-dir", str(run), "--steps", "20", "--tracking-uri", down)
+    proc = rfsdp(
+        "train", "--quiet", "--data", str(data_dir), "--run-dir", str(run), "--steps", "20", "--tracking-uri", down
+    )
     assert proc.returncode == 0 and "not logged to MLflow" in proc.stderr and down in proc.stderr, proc.stderr
     assert max(e.step for e in read_events(run) if isinstance(e, Step)) == 20  # and log-mlflow can log it later
 
@@ -312,7 +423,9 @@ def test_runs_are_tagged_with_the_code_that_logged_them(monkeypatch: pytest.Monk
     monkeypatch.setenv(GIT_COMMIT_ENV, "0123abc")
     assert source_tags() == {VERSION_TAG: "0.1.0", GIT_COMMIT_TAG: "0123abc"}
     monkeypatch.delenv(GIT_COMMIT_ENV)
-    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+    ).stdout.strip()
     assert source_tags().get(GIT_COMMIT_TAG) == (head or None)
 
 
@@ -331,12 +444,21 @@ def test_credentials_in_the_tracking_uri_are_shown_nowhere(
     run_dir = tmp_path / "ws" / "leak" / "run"
     run_dir.mkdir(parents=True)
     events = EventLog(run_dir, rank=0)  # a small finished run: what is logged, not how it trained, matters here
-    events.emit(RunStart(config={"steps": 3, "ckpt_mode": "sync", "run_dir": str(run_dir)}, resumed_from_step=0, world_size=2))
+    events.emit(
+        RunStart(config={"steps": 3, "ckpt_mode": "sync", "run_dir": str(run_dir)}, resumed_from_step=0, world_size=2)
+    )
     for step in (1, 2, 3):
         events.emit(Step(step=step, loss=5.0 - step / 10, step_time_s=0.1, tokens=1024))
     events.emit(RunEnd(status="completed", step=3))
-    kfp = {"pipeline_job": "resilient-fsdp-training-leak", "pipeline_job_id": "kfp-leak", "image": "img:1", "backend": "local"}
-    logged = log_pipeline_run(state="SUCCEEDED", error_message="", training_run="leak", tracking_uri=uri, experiment="leak", **kfp)
+    kfp = {
+        "pipeline_job": "resilient-fsdp-training-leak",
+        "pipeline_job_id": "kfp-leak",
+        "image": "img:1",
+        "backend": "local",
+    }
+    logged = log_pipeline_run(
+        state="SUCCEEDED", error_message="", training_run="leak", tracking_uri=uri, experiment="leak", **kfp
+    )
     assert logged.mlflow_url.startswith(f"{mlflow_server.uri}/#/experiments/")
     client = MlflowClient(mlflow_server.uri)
     run = client.get_run(logged.mlflow_run_id)
@@ -352,17 +474,23 @@ def test_credentials_in_the_tracking_uri_are_shown_nowhere(
         log_run(run_dir, tracking_uri=down, experiment="leak", retries=1)
     shown.append(str(err.value))
     with pytest.raises(TrackingError) as err:
-        log_failed_attempt("kfp-leak", Failure("train", "x"), tracking_uri=down, experiment="leak", run_name="leak", retries=1)
+        log_failed_attempt(
+            "kfp-leak", Failure("train", "x"), tracking_uri=down, experiment="leak", run_name="leak", retries=1
+        )
     shown.append(str(err.value))
     with pytest.raises(ParameterError) as bad:
         check_tracking_uri(f"ftp://alice:{secret}@host/x?token={secret}")
     shown.append(str(bad.value))
-    proc = rfsdp("log-mlflow", "--run-dir", str(run_dir), "--tracking-uri", down, "--experiment", "leak", "--retries", "1")
+    proc = rfsdp(
+        "log-mlflow", "--run-dir", str(run_dir), "--tracking-uri", down, "--experiment", "leak", "--retries", "1"
+    )
     assert proc.returncode == 1 and "127.0.0.1" in proc.stderr
     shown += [proc.stdout, proc.stderr, *capsys.readouterr()]
     assert [s for s in shown if secret in s] == []
 
-    assert redact_uri(f"https://mlflow/p?token={secret}&experiment=a%20b") == "https://mlflow/p?token=***&experiment=a%20b"
+    assert (
+        redact_uri(f"https://mlflow/p?token={secret}&experiment=a%20b") == "https://mlflow/p?token=***&experiment=a%20b"
+    )
     assert redact_uri(f"https://{secret}@mlflow:443/") == "https://mlflow:443/"
     assert redact_uri("sqlite:////mnt/rfsdp/mlflow.db") == "sqlite:////mnt/rfsdp/mlflow.db"
 
@@ -393,7 +521,8 @@ def test_under_kubeflows_own_mlflow_run_the_training_run_is_nested_in_it(
     kfp = client.create_experiment("kfp-experiment")
     pipeline = client.create_run(kfp, run_name="pipeline-run").info.run_id
     train_task, exit_task = (
-        client.create_run(kfp, run_name=n, tags={"mlflow.parentRunId": pipeline}).info.run_id for n in ("train", "exit-handler")
+        client.create_run(kfp, run_name=n, tags={"mlflow.parentRunId": pipeline}).info.run_id
+        for n in ("train", "exit-handler")
     )
     monkeypatch.setenv("MLFLOW_RUN_ID", train_task)
     run_id = log_run(faulty_run, tracking_uri=uri)

@@ -44,7 +44,18 @@ def test_an_outage_of_the_tracking_server_mid_run_loses_and_repeats_nothing(
     log.) Preempted, the run exits 0 and its single MLflow run is FINISHED with every step's
     final loss exactly once."""
     run, uri, experiment = tmp_path / "run", mlflow_server.uri, "outage"
-    cmd = ["train", "--quiet", "--data", str(data_dir), "--run-dir", str(run), "--steps", "100000", "--ckpt-every", "100"]
+    cmd = [
+        "train",
+        "--quiet",
+        "--data",
+        str(data_dir),
+        "--run-dir",
+        str(run),
+        "--steps",
+        "100000",
+        "--ckpt-every",
+        "100",
+    ]
     proc = subprocess.Popen(
         [sys.executable, "-m", "trainer.cli", *cmd, "--tracking-uri", uri, "--experiment", experiment],
         cwd=ROOT,
@@ -83,7 +94,9 @@ def test_an_outage_of_the_tracking_server_mid_run_loses_and_repeats_nothing(
     deadline = time.monotonic() + 300
     while (logged := _loss_steps(client, run_id))[-1] < reached:  # caught up live
         running()
-        assert time.monotonic() < deadline, f"live logging did not catch up: step {logged[-1]} logged, {reached} trained"
+        assert time.monotonic() < deadline, (
+            f"live logging did not catch up: step {logged[-1]} logged, {reached} trained"
+        )
         time.sleep(1)
     running()  # still training: what the live logger logged, not the final log_run
     missing = sorted(set(range(1, logged[-1] + 1)) - set(logged))
@@ -109,4 +122,6 @@ def test_an_outage_of_the_tracking_server_mid_run_loses_and_repeats_nothing(
     assert sorted(m.step for m in history) == list(range(1, end.step + 1))  # every step, once
     assert {m.step: m.value for m in history} == final_losses(read_events(run))
     assert sorted((m.step, m.timestamp) for m in history) == [(e.step, int(e.time * 1000)) for e in steps]
-    assert [r.info.run_id for r in client.search_runs([final.info.experiment_id])] == [run_id]  # one MLflow run, not two
+    assert [r.info.run_id for r in client.search_runs([final.info.experiment_id])] == [
+        run_id
+    ]  # one MLflow run, not two

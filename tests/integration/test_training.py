@@ -37,7 +37,11 @@ def test_training_lowers_the_loss(baseline_60: Path) -> None:
     assert isinstance(events[-1], RunEnd) and events[-1].status == "completed"
     # keep-last-3 retention and a verified latest
     assert latest_checkpoint(baseline_60).name == "step_000060"
-    assert sorted(p.name for p in (baseline_60 / CHECKPOINTS).glob("step_*")) == ["step_000040", "step_000050", "step_000060"]
+    assert sorted(p.name for p in (baseline_60 / CHECKPOINTS).glob("step_*")) == [
+        "step_000040",
+        "step_000050",
+        "step_000060",
+    ]
     verify_checkpoint(latest_checkpoint(baseline_60))
 
 
@@ -45,7 +49,9 @@ def test_stop_and_resume_is_bitwise_exact(sync_resumed_60: Path, baseline_60: Pa
     run = sync_resumed_60  # stopped at step 30, resumed to 60
     assert [e.resumed_from_step for e in select(read_events(run), RunStart)] == [0, 30]
     assert losses(run) == losses(baseline_60)  # every step's final loss, bit for bit
-    assert_same_tensors(read_full_state(run / CHECKPOINTS / "step_000060"), read_full_state(baseline_60 / CHECKPOINTS / "step_000060"))
+    assert_same_tensors(
+        read_full_state(run / CHECKPOINTS / "step_000060"), read_full_state(baseline_60 / CHECKPOINTS / "step_000060")
+    )
 
 
 def test_torn_checkpoint_is_skipped(data_dir: Path, baseline_60: Path, tmp_path: Path) -> None:
@@ -83,9 +89,23 @@ def test_another_config_is_refused_and_nothing_is_touched(data_dir: Path, baseli
     assert sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*")) == before
 
 
-def test_a_second_job_on_a_live_run_dir_is_refused_and_the_first_finishes_exact(data_dir: Path, baseline_60: Path, tmp_path: Path) -> None:
+def test_a_second_job_on_a_live_run_dir_is_refused_and_the_first_finishes_exact(
+    data_dir: Path, baseline_60: Path, tmp_path: Path
+) -> None:
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "trainer.cli", "train", "--quiet", "--data", str(data_dir), "--run-dir", str(run), "--steps", "60"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer.cli",
+        "train",
+        "--quiet",
+        "--data",
+        str(data_dir),
+        "--run-dir",
+        str(run),
+        "--steps",
+        "60",
+    ]
     first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         while not select(read_events(run), Step):  # the first job is training

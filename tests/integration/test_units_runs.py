@@ -25,14 +25,28 @@ def test_outside_internals_the_async_writer_relies_on() -> None:
     caller = PersistentAsyncCaller()
     assert caller.process is None and hasattr(caller.queue, "put") and hasattr(caller.comp_q, "get_nowait")
     assert hasattr(caller.preload_q, "get")
-    assert vars(_ForkedCaller(multiprocessing.get_context("fork"))).keys() == vars(caller).keys()  # its fields, our queues
+    assert (
+        vars(_ForkedCaller(multiprocessing.get_context("fork"))).keys() == vars(caller).keys()
+    )  # its fields, our queues
     # The worker loop, started by the writer itself (NVRx always spawns it).
-    assert list(inspect.signature(PersistentAsyncCaller.async_loop).parameters) == ["rank", "queue", "preload_q", "comp_q", "log_level"]
+    assert list(inspect.signature(PersistentAsyncCaller.async_loop).parameters) == [
+        "rank",
+        "queue",
+        "preload_q",
+        "comp_q",
+        "log_level",
+    ]
     assert "if self.process is None:" in inspect.getsource(PersistentAsyncCaller.schedule_async_call)
     # The worker replaces the request's second argument with the preloaded buckets (CUDA).
     assert "async_fn_args[1] = item.preload_fn()" in inspect.getsource(PersistentAsyncCaller.async_loop)
     save_fn = filesystem_async.FileSystemWriterAsync.write_preloaded_data_multiproc
-    assert list(inspect.signature(save_fn).parameters) == ["transform_list", "use_msc", "rank", "write_buckets", "global_results_queue"]
+    assert list(inspect.signature(save_fn).parameters) == [
+        "transform_list",
+        "use_msc",
+        "rank",
+        "write_buckets",
+        "global_results_queue",
+    ]
     # The results queue is this global, created on first use when it is None.
     assert filesystem_async._results_queue is None or isinstance(filesystem_async._results_queue, queue.SimpleQueue)
     assert "global _results_queue" in inspect.getsource(filesystem_async._get_write_results_queue)

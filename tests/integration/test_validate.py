@@ -48,17 +48,27 @@ def test_good_latest_checkpoint_passes_every_check(baseline_60: Path, tmp_path: 
     checks = {c["name"]: c for c in verdict["checks"]}
     assert list(checks) == list(CHECKS) and all(c["passed"] for c in checks.values())
     assert checks["complete"]["values"]["latest"] == "step_000060" and checks["complete"]["values"]["shards"] == 2
-    assert checks["loadable"]["values"]["reshard_world_size"] == 3 and checks["loadable"]["values"]["reshard_mismatches"] == 0
+    assert (
+        checks["loadable"]["values"]["reshard_world_size"] == 3
+        and checks["loadable"]["values"]["reshard_mismatches"] == 0
+    )
     assert checks["finite"]["values"]["nonfinite_tensors"] == 0 and checks["finite"]["values"]["param_norm"] > 0
     assert checks["quality"]["values"]["improvement"] >= 0.5
     # The run's last checkpoint: reproduced from step 50, losses and state bit for bit.
     replays = checks["replays"]["values"]
-    assert (replays["mode"], replays["from_step"], replays["to_step"], replays["state_mismatches"]) == ("reproduce", 50, 60, 0)
+    assert (replays["mode"], replays["from_step"], replays["to_step"], replays["state_mismatches"]) == (
+        "reproduce",
+        50,
+        60,
+        0,
+    )
     assert all(v["logged"] == v["replayed"] for v in replays["losses"].values()) and len(replays["losses"]) == 10
     assert "step_000060 is valid" in proc.stderr and "Traceback" not in proc.stderr
     md = table.read_text()
     assert "**valid**" in md and all(f"| {name} | pass |" in md for name in CHECKS)
-    assert sorted(str(p.relative_to(baseline_60)) for p in baseline_60.rglob("*")) == before  # validation wrote nothing there
+    assert (
+        sorted(str(p.relative_to(baseline_60)) for p in baseline_60.rglob("*")) == before
+    )  # validation wrote nothing there
 
 
 def test_removed_shard_fails_complete_tampered_position_fails_replays_and_fallback_finds_a_valid_one(
@@ -81,7 +91,12 @@ def test_removed_shard_fails_complete_tampered_position_fails_replays_and_fallba
     assert [(r["step"], r["failed"]) for r in report.rejected] == [(60, ["complete"]), (50, ["replays"])]
     assert "step 51 replayed to loss" in report.rejected[1]["detail"]
     replays = by_name(report)["replays"].values
-    assert (replays["mode"], replays["from_step"], replays["to_step"], replays["mismatched_steps"]) == ("resume", 40, 43, 0)
+    assert (replays["mode"], replays["from_step"], replays["to_step"], replays["mismatched_steps"]) == (
+        "resume",
+        40,
+        43,
+        0,
+    )
     assert report.metrics()["valid"] == 1.0 and report.metrics()["step"] == 40.0
     assert "`step_000050` rejected first: replays failed" in report.to_markdown()
 
@@ -111,7 +126,9 @@ def test_nan_in_optimizer_state_fails_finite_only(baseline_60: Path, tmp_path: P
     report = validate_run(run)
     checks = by_name(report)
     assert report.failed == ["finite"] and report.skipped == ["replays"]
-    assert checks["complete"].passed and checks["intact"].passed and checks["loadable"].passed and checks["quality"].passed
+    assert (
+        checks["complete"].passed and checks["intact"].passed and checks["loadable"].passed and checks["quality"].passed
+    )
     assert checks["finite"].values["nonfinite"] == ["optim.state.blocks.0.up.weight.exp_avg"]
     assert checks["loadable"].values["reshard_mismatches"] == 0  # the NaN survives resharding bit for bit
     verdict = json.dumps(report.to_dict(), allow_nan=False)  # standard JSON even with NaN around
@@ -120,12 +137,26 @@ def test_nan_in_optimizer_state_fails_finite_only(baseline_60: Path, tmp_path: P
 
 def test_untrained_checkpoint_fails_quality(data_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "untrained"
-    train(data_dir, run, "--steps", "60", "--stop-at-step", "1", "--ckpt-every", "1", "--ckpt-mode", "sync", "--no-inprocess-restart")
+    train(
+        data_dir,
+        run,
+        "--steps",
+        "60",
+        "--stop-at-step",
+        "1",
+        "--ckpt-every",
+        "1",
+        "--ckpt-mode",
+        "sync",
+        "--no-inprocess-restart",
+    )
     report = validate_run(run)
     checks = by_name(report)
     assert not report.valid and report.failed == ["quality"] and report.step == 1
     assert checks["quality"].values["improvement"] < 0.5 and "less than 0.5 lower" in checks["quality"].detail
-    assert checks["complete"].passed and checks["intact"].passed and checks["loadable"].passed and checks["finite"].passed
+    assert (
+        checks["complete"].passed and checks["intact"].passed and checks["loadable"].passed and checks["finite"].passed
+    )
     assert report.skipped == ["replays"]  # the training job is spent only on an otherwise accepted checkpoint
     assert report.summary().startswith("step_000001 is invalid: quality failed")
 
@@ -144,7 +175,9 @@ def test_bad_input_exits_2_with_a_clear_message(baseline_60: Path, data_dir: Pat
     assert "does not exist" in refused("--run-dir", str(tmp_path / "nowhere"))
     assert "--step 7: " in refused("--run-dir", str(baseline_60), "--step", "7")
     assert "--replay-steps must be at least 1" in refused("--run-dir", str(baseline_60), "--replay-steps", "0")
-    assert "--markdown: directory" in refused("--run-dir", str(baseline_60), "--markdown", str(tmp_path / "no" / "report.md"))
+    assert "--markdown: directory" in refused(
+        "--run-dir", str(baseline_60), "--markdown", str(tmp_path / "no" / "report.md")
+    )
 
     other = copy_run(baseline_60, tmp_path)
     config = json.loads((other / "config.json").read_text())
@@ -159,4 +192,9 @@ def test_bad_input_exits_2_with_a_clear_message(baseline_60: Path, data_dir: Pat
 
     # The same through the installed command: exit 2, one line, no traceback.
     proc = rfsdp("validate", "--run-dir", str(empty), "--data", str(data_dir))
-    assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr and "no published checkpoint" in proc.stderr
+    assert (
+        proc.returncode == 2
+        and proc.stdout == ""
+        and "Traceback" not in proc.stderr
+        and "no published checkpoint" in proc.stderr
+    )

@@ -32,7 +32,18 @@ from trainer.launch.worker import ZYGOTE_MODULE, lock_address, zygote_address
 
 
 def start_train(data: Path, run: Path, *extra: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "trainer.cli", "train", "--quiet", "--data", str(data), "--run-dir", str(run), *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "trainer.cli",
+        "train",
+        "--quiet",
+        "--data",
+        str(data),
+        "--run-dir",
+        str(run),
+        *extra,
+    ]
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -183,7 +194,9 @@ print(json.dumps(json.loads(sock.recv(1 << 20) or b"{}")))
 """
 """A client of a zygote that is not a worker of its launcher: it asks for a rank as a worker does."""
 
-root_only = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv to act as another user")
+root_only = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv to act as another user"
+)
 
 
 def as_nobody(*args: str) -> list[str]:
@@ -260,10 +273,14 @@ def test_a_worker_sends_nothing_to_another_users_socket(monkeypatch: pytest.Monk
     ours = Path(tempfile.mkdtemp(prefix="rfsdp-test-"))
     env = {**os.environ, "TMPDIR": str(shared_tmp), "TORCHELASTIC_RUN_ID": "job", "AWS_SECRET_ACCESS_KEY": "sekrit"}
     command = [sys.executable, "-c", AGENT, sys.executable, "-m", "trainer.launch.worker", "--help"]
-    agent = subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    agent = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     squatter = None
     try:
-        monkeypatch.setenv("TMPDIR", str(ours))  # where the name is computed: the squatter takes it in the shared folder
+        monkeypatch.setenv(
+            "TMPDIR", str(ours)
+        )  # where the name is computed: the squatter takes it in the shared folder
         name = zygote_address(agent.pid, "job")
         assert name is not None
         target = str(shared_tmp / f"rfsdp-{os.geteuid()}" / Path(name).name) if name.startswith("/") else name
@@ -296,7 +313,9 @@ def test_a_forked_ranks_sigterm_fault_preempts_the_run(data_dir: Path, tmp_path:
     marker = run / FAULTS_DIR / "sigterm@5:0"
     marker.parent.mkdir(parents=True)
     marker.touch()  # already fired, as far as the first workers know
-    proc = start_train(data_dir, run, "--steps", "100000", "--ckpt-every", "50000", "--local-ckpt-every", "0", "--fault", "sigterm@5:0")
+    proc = start_train(
+        data_dir, run, "--steps", "100000", "--ckpt-every", "50000", "--local-ckpt-every", "0", "--fault", "sigterm@5:0"
+    )
     try:
         ((zygote, _),) = wait_for("one zygote, listening", one_listening_zygote)
         first = wait_for("rank 1 of the first workers", lambda: worker("trainer.rank.train", 1))

@@ -73,14 +73,21 @@ def test_occurrences_are_counted_per_rank_and_session_from_the_events(tmp_path: 
     assert end is not None and (end.reason, end.step, end.job) == ("bug", 6, "j") and end.origin == origin(bug)
     assert "ValueError: the same bug" in end.traceback and "met 2 times" in end.error
     assert [(f.rank, f.category, f.occurrence) for f in select(read_events(tmp_path), Failure)] == [
-        (1, "bug", 1), (0, "infrastructure", 1), (1, "bug", 2),
-    ]  # fmt: skip
-    EventLog(tmp_path, 0).emit(RunStart(config={}, resumed_from_step=4, world_size=2))  # a deliberate resume counts afresh
+        (1, "bug", 1),
+        (0, "infrastructure", 1),
+        (1, "bug", 2),
+    ]
+    EventLog(tmp_path, 0).emit(
+        RunStart(config={}, resumed_from_step=4, world_size=2)
+    )  # a deliberate resume counts afresh
     assert failures.record(bug) is None
 
 
 def test_bug_and_nan_faults_are_parsed_and_bad_values_named() -> None:
-    assert [(f.kind, f.step, f.rank) for f in parse_fault_spec("bug@6:1,nan@7", steps=12, world_size=2)] == [("bug", 6, 1), ("nan", 7, 0)]
+    assert [(f.kind, f.step, f.rank) for f in parse_fault_spec("bug@6:1,nan@7", steps=12, world_size=2)] == [
+        ("bug", 6, 1),
+        ("nan", 7, 0),
+    ]
     with pytest.raises(ParameterError, match="^--fault: .*takes no /PHASE"):
         parse_fault_spec("bug@4/write:1", steps=12, world_size=2)
     with pytest.raises(ParameterError, match="^--max-bug-retries: must be at least 0"):

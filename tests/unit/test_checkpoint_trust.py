@@ -133,7 +133,9 @@ def test_a_non_tensor_item_is_read_as_plain_data_only(one_rank: None, tmp_path: 
 
 
 # ------------------------------------------------------------------ item 8: what the signature binds
-def test_a_signed_checkpoint_copied_to_another_step_is_refused(one_rank: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_signed_checkpoint_copied_to_another_step_is_refused(
+    one_rank: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A signed step 6 copied to ``step_000025`` does not resume as step 25: its manifest's step,
     which the signature covers, is not the directory's."""
     monkeypatch.setenv(SIGNING_KEY_ENV, KEY)
@@ -147,7 +149,9 @@ def test_a_signed_checkpoint_copied_to_another_step_is_refused(one_rank: None, t
     assert [w.step for w in skipped] == [25]
 
 
-def test_a_run_signed_with_a_key_does_not_resume_without_it(one_rank: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_run_signed_with_a_key_does_not_resume_without_it(
+    one_rank: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The key's secret is missing at a restart: the run ends (an error no restart can fix)
     instead of trusting everything, and its checkpoints are left as they are."""
     monkeypatch.setenv(SIGNING_KEY_ENV, KEY)

@@ -69,7 +69,9 @@ class FakeWriter:
         hooks.on_phase("stage")
         hooks.on_phase("plan")
         (directory / "__0_0.distcp").write_bytes(repr(state_dict).encode())
-        (directory / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={})))  # DCP's, describing nothing
+        (directory / ".metadata").write_bytes(
+            pickle.dumps(Metadata(state_dict_metadata={}))
+        )  # DCP's, describing nothing
         write_rank_checksums(directory, 0)
         self.started[group] = hooks
         hooks.on_phase("write")
@@ -99,7 +101,9 @@ class FakeWriter:
 def checkpointer(run_dir: Path, writer: object, **kw: object) -> Checkpointer:
     """A Checkpointer on a fresh group: each call is a new incarnation of the training function."""
     options = {"every": 3, "keep_last": 2, **kw}
-    return Checkpointer(run_dir, writer=writer, group=new_group(), events=EventLog(run_dir, 0), fingerprint="f", **options)
+    return Checkpointer(
+        run_dir, writer=writer, group=new_group(), events=EventLog(run_dir, 0), fingerprint="f", **options
+    )
 
 
 def state(step: int) -> tuple[dict, dict]:
@@ -170,7 +174,9 @@ def test_publication_is_atomic_for_in_process_restart(one_rank: None, tmp_path: 
         yield
         inside.pop()
 
-    ckpt = checkpointer(tmp_path, FakeWriter(), atomic=atomic, on_published=lambda path: seen.append((path.name, bool(inside))))
+    ckpt = checkpointer(
+        tmp_path, FakeWriter(), atomic=atomic, on_published=lambda path: seen.append((path.name, bool(inside)))
+    )
     run_steps(ckpt, last=3)
     assert seen == [(step_dir_name(3), True)] and not inside
 
@@ -217,17 +223,23 @@ def test_a_sync_save_reports_progress_as_it_writes_and_hashes(one_rank: None, tm
     made: list[bool] = []  # per call: whether DCP's save was complete (then it is the hashing's)
     tensors = {"model": {f"w{i}": torch.full((1024,), float(i)) for i in range(4)}}
     (tmp_path / "rank0.pt").write_bytes(b"rank state")  # what the Checkpointer writes first
-    SyncDcpWriter().start(tensors, tmp_path, new_group(), SaveHooks(alive=lambda: made.append((tmp_path / ".metadata").exists())))
+    SyncDcpWriter().start(
+        tensors, tmp_path, new_group(), SaveHooks(alive=lambda: made.append((tmp_path / ".metadata").exists()))
+    )
     assert len(made) >= len(tensors["model"]) + 2  # a write per tensor, a chunk per file hashed
     assert made.count(True) == 2  # the shard and the rank state: one chunk each
     loaded = {"model": {name: torch.zeros(1024) for name in tensors["model"]}}
     dcp.load(loaded, checkpoint_id=tmp_path)
     assert all(torch.equal(loaded["model"][n], t) for n, t in tensors["model"].items())
     record = json.loads((tmp_path / "checksums_rank0.json").read_text())
-    assert {name: entry["sha256"] for name, entry in record.items()} == {name: file_sha256(tmp_path / name) for name in record}
+    assert {name: entry["sha256"] for name, entry in record.items()} == {
+        name: file_sha256(tmp_path / name) for name in record
+    }
 
 
-def test_with_a_signing_key_only_signed_checkpoints_load(one_rank: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_with_a_signing_key_only_signed_checkpoints_load(
+    one_rank: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Someone who can write the checkpoint's storage replaces a shard and rewrites its checksum in
     the manifest: checksums alone cannot tell; the signature can."""
     monkeypatch.setenv(SIGNING_KEY_ENV, "the run's secret")
@@ -284,7 +296,9 @@ def test_resume_offers_its_checkpoint_to_the_mirror_once(one_rank: None, tmp_pat
     assert resume() == resume()  # the second resume found it there and uploaded nothing
 
 
-def test_retention_counts_only_what_resume_accepts(one_rank: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_retention_counts_only_what_resume_accepts(
+    one_rank: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """After a signing-key rotation, a run whose every checkpoint fails its signature is refused
     (it would start over on top of them, and its mirror's); nothing is set aside. With another key
     for the old ones and a rerun with another config, resume rejects the older run's
@@ -295,23 +309,36 @@ def test_retention_counts_only_what_resume_accepts(one_rank: None, tmp_path: Pat
     run_steps(checkpointer(tmp_path, FakeWriter()), last=30)
     assert [s for s, _ in published_checkpoints(tmp_path / CHECKPOINTS)] == [27, 30]
     monkeypatch.setenv(SIGNING_KEY_ENV, "the new key")
-    with pytest.raises(UnsignedResumeError, match="no checkpoint of this run could be verified .* the key they were signed with"):
+    with pytest.raises(
+        UnsignedResumeError, match="no checkpoint of this run could be verified .* the key they were signed with"
+    ):
         checkpointer(tmp_path, FakeWriter()).find_latest()
     assert [s for s, _ in published_checkpoints(tmp_path / CHECKPOINTS)] == [27, 30]  # nothing set aside
     run_steps(checkpointer(tmp_path / "new", FakeWriter()), last=1)  # one checkpoint the new key verifies
     for step in (27, 30):
-        shutil.copytree(tmp_path / CHECKPOINTS / step_dir_name(step), tmp_path / "new" / CHECKPOINTS / step_dir_name(step))
+        shutil.copytree(
+            tmp_path / CHECKPOINTS / step_dir_name(step), tmp_path / "new" / CHECKPOINTS / step_dir_name(step)
+        )
     tmp_path = tmp_path / "new"
     ckpt = checkpointer(tmp_path, FakeWriter())
     assert ckpt.find_latest() == 1
-    assert sorted(p.name for p in (tmp_path / CHECKPOINTS).glob("*.rejected")) == ["step_000027.rejected", "step_000030.rejected"]
+    assert sorted(p.name for p in (tmp_path / CHECKPOINTS).glob("*.rejected")) == [
+        "step_000027.rejected",
+        "step_000030.rejected",
+    ]
     run_steps(ckpt, last=7)
     assert [s for s, _ in published_checkpoints(tmp_path / CHECKPOINTS)] == [6, 7]
     assert latest_checkpoint(tmp_path).name == step_dir_name(7)
     verify_checkpoint(latest_checkpoint(tmp_path))
 
     rerun = Checkpointer(
-        tmp_path, writer=FakeWriter(), group=new_group(), events=EventLog(tmp_path, 0), fingerprint="g", every=3, keep_last=2
+        tmp_path,
+        writer=FakeWriter(),
+        group=new_group(),
+        events=EventLog(tmp_path, 0),
+        fingerprint="g",
+        every=3,
+        keep_last=2,
     )
     assert rerun.find_latest() == 0  # another config's checkpoints
     run_steps(rerun, last=4)
@@ -347,7 +374,9 @@ def test_every_staging_buffer_is_in_shared_memory_before_any_write() -> None:
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 4)).sum().backward()
     optimizer.step()
-    staging = _shared_buffers_like({"model": model.state_dict(), "optim": optimizer.state_dict()["state"]}, lambda: None)
+    staging = _shared_buffers_like(
+        {"model": model.state_dict(), "optim": optimizer.state_dict()["state"]}, lambda: None
+    )
 
     def tensors(tree: object) -> list[torch.Tensor]:
         return [t for v in tree.values() for t in tensors(v)] if isinstance(tree, dict) else [tree]

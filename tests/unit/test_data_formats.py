@@ -109,10 +109,20 @@ def test_trained_tokenizer_round_trips_through_transformers(trained: Path, docs:
     assert decoded == docs
 
 
-def test_given_tokenizer_matches_its_own_encoding(trained: Path, docs: list[str], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_given_tokenizer_matches_its_own_encoding(
+    trained: Path, docs: list[str], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     source = write_jsonl(tmp_path / "c.jsonl", [{"body": d} for d in docs] + [{"text": "no body"}, {"body": 7}])
     code, out, err = cli(
-        capsys, "--source", str(source), "--out", str(tmp_path / "d"), "--tokenizer", str(trained / "tokenizer"), "--text-field", "body"
+        capsys,
+        "--source",
+        str(source),
+        "--out",
+        str(tmp_path / "d"),
+        "--tokenizer",
+        str(trained / "tokenizer"),
+        "--text-field",
+        "body",
     )
     assert code == 0, err
     assert "tokenizer tokenizer, vocab 400, uint16; 2 record(s) without 'body' skipped" in out
@@ -125,13 +135,15 @@ def test_given_tokenizer_matches_its_own_encoding(trained: Path, docs: list[str]
     manifest = load_manifest(tmp_path / "d")
     assert (manifest["documents"], manifest["skipped_records"], manifest["text_field"]) == (400, 2, "body")
     # A bare tokenizer.json works too; its name is its directory's.
-    assert prepare_dataset(str(source), str(tmp_path / "e"), tokenizer=str(trained / "tokenizer" / "tokenizer.json"), text_field="body")[
-        "tokenizer_files"
-    ] == {"tokenizer.json": manifest["tokenizer_files"]["tokenizer.json"]}
+    assert prepare_dataset(
+        str(source), str(tmp_path / "e"), tokenizer=str(trained / "tokenizer" / "tokenizer.json"), text_field="body"
+    )["tokenizer_files"] == {"tokenizer.json": manifest["tokenizer_files"]["tokenizer.json"]}
     assert all_tokens(tmp_path / "e").tolist() == expected
 
 
-def test_a_text_file_in_many_blocks_encodes_as_a_whole(trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_text_file_in_many_blocks_encodes_as_a_whole(
+    trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from trainer.data import corpus
 
     monkeypatch.setattr(corpus, "BLOCK_CHARS", 20_000)  # ~15 blocks, cut at line breaks
@@ -152,7 +164,9 @@ def test_parquet_rows_are_documents_and_nulls_are_counted(docs: list[str], tmp_p
     assert (manifest["documents"], manifest["skipped_records"]) == (401, 2)
     text = bytes(all_tokens(tmp_path / "d").astype(np.uint8)).decode()
     assert text == "\n\n".join([*docs, "tail document"])  # byte-level: documents joined by a blank line
-    with pytest.raises(ParameterError, match=r"^--text-field: no record of .* has a string field 'text' \(403 records\)"):
+    with pytest.raises(
+        ParameterError, match=r"^--text-field: no record of .* has a string field 'text' \(403 records\)"
+    ):
         prepare_dataset(str(source), str(tmp_path / "x"), text_field="text")
     with pytest.raises(ParameterError, match="^--text-field"):  # a column of numbers holds no text
         prepare_dataset(str(source / "a.parquet"), str(tmp_path / "x"), text_field="n")
@@ -164,7 +178,10 @@ def test_a_vocabulary_above_65535_gets_uint32(tmp_path: Path) -> None:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(tmp_path / "big.json"))
-    source = write_jsonl(tmp_path / "c.jsonl", [{"text": " ".join(f"w{(i * 7919 + j) % 70_000}" for j in range(100))} for i in range(120)])
+    source = write_jsonl(
+        tmp_path / "c.jsonl",
+        [{"text": " ".join(f"w{(i * 7919 + j) % 70_000}" for j in range(100))} for i in range(120)],
+    )
     manifest = prepare_dataset(str(source), str(tmp_path / "d"), tokenizer=str(tmp_path / "big.json"))
     assert (manifest["tokenizer"], manifest["dtype"], manifest["vocab_size"]) == ("big", "uint32", 70_002)
     tokens = all_tokens(tmp_path / "d")
@@ -179,14 +196,23 @@ def test_a_vocabulary_above_65535_gets_uint32(tmp_path: Path) -> None:
     ("kwargs", "error"),
     [
         ({"tokenizer": "{tmp}/nowhere"}, "--tokenizer: no tokenizer at "),
-        ({"tokenizer": "{tmp}/garbage.json"}, "--tokenizer: {tmp}/garbage.json: not a tokenizer.json the tokenizers library reads"),
+        (
+            {"tokenizer": "{tmp}/garbage.json"},
+            "--tokenizer: {tmp}/garbage.json: not a tokenizer.json the tokenizers library reads",
+        ),
         ({"tokenizer": "{tmp}"}, "--tokenizer: {tmp}: no tokenizer.json"),
         ({"source": "{tmp}/missing.jsonl"}, "--source: no corpus file at "),
         ({"source": "{tmp}/empty.txt"}, "--source: no text in "),
-        ({"source": "{tmp}/records.jsonl"}, "--text-field: no record of {tmp}/records.jsonl has a string field 'text' (2 records)"),
+        (
+            {"source": "{tmp}/records.jsonl"},
+            "--text-field: no record of {tmp}/records.jsonl has a string field 'text' (2 records)",
+        ),
         ({"train_tokenizer": 100}, "--train-tokenizer: vocabulary size must be in [257, 1,048,576]"),
         ({"train_tokenizer": 10**9}, "--train-tokenizer: vocabulary size must be in"),
-        ({"train_tokenizer": 300, "tokenizer": "{tmp}/garbage.json"}, "--train-tokenizer: cannot be combined with --tokenizer"),
+        (
+            {"train_tokenizer": 300, "tokenizer": "{tmp}/garbage.json"},
+            "--train-tokenizer: cannot be combined with --tokenizer",
+        ),
         ({"train_tokenizer": 300, "source": "{tmp}/empty.txt"}, "--source: no text in "),
     ],
 )

@@ -55,7 +55,11 @@ def test_the_volume_claim_is_one_the_pods_mount() -> None:
 def test_the_readme_commands_for_your_own_model_parse_with_the_real_cli() -> None:
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## Your model, your data, your weights", 1)[1].split("\n## ", 1)[0]
-    lines = [line.split("  #")[0].strip() for block in re.findall(r"```bash\n(.*?)```", section, re.S) for line in block.splitlines()]
+    lines = [
+        line.split("  #")[0].strip()
+        for block in re.findall(r"```bash\n(.*?)```", section, re.S)
+        for line in block.splitlines()
+    ]
     argvs = [shlex.split(line)[1:] for line in lines if line.startswith("rfsdp ")]
     assert [argv[0] for argv in argvs] == ["prepare-data", "train", "export"]
     for argv in argvs:

@@ -43,7 +43,10 @@ def product_sources() -> list[tuple[str, str]]:
         cells = json.loads(nb.read_text())["cells"]
         out += [(f"{nb.name} cell {i}", "".join(c["source"])) for i, c in enumerate(cells) if c["cell_type"] == "code"]
     for script in sorted((ROOT / "scripts").glob("*.sh")):  # Python heredocs (<<'PY' ... PY)
-        out += [(f"{script.name} heredoc {i}", src) for i, src in enumerate(re.findall(r"<<'PY'\n(.*?)\nPY\n", script.read_text(), re.S))]
+        out += [
+            (f"{script.name} heredoc {i}", src)
+            for i, src in enumerate(re.findall(r"<<'PY'\n(.*?)\nPY\n", script.read_text(), re.S))
+        ]
     return [(name, src) for name, src in out if not name.startswith("trainer/events/")]
 
 
@@ -59,9 +62,15 @@ def string_reads_of_events(src: str) -> list[str]:
                 found.append(f'line {node.lineno}: .get("event")')
         elif isinstance(node, ast.Compare):
             for c in [node.left, *node.comparators]:
-                if isinstance(c, ast.Constant) and c.value in EVENT_TYPES and c.value not in ("step", "checkpoint", "mirror"):
+                if (
+                    isinstance(c, ast.Constant)
+                    and c.value in EVENT_TYPES
+                    and c.value not in ("step", "checkpoint", "mirror")
+                ):
                     found.append(f"line {node.lineno}: compares with {c.value!r}")
-                elif isinstance(c, ast.Tuple) and any(isinstance(x, ast.Constant) and x.value in EVENT_TYPES for x in c.elts):
+                elif isinstance(c, ast.Tuple) and any(
+                    isinstance(x, ast.Constant) and x.value in EVENT_TYPES for x in c.elts
+                ):
                     found.append(f"line {node.lineno}: compares with a tuple of kinds")
     return found
 
@@ -134,7 +143,8 @@ def test_the_log_stamps_time_and_rank_and_the_tail_sees_only_new_events(tmp_path
 
 
 # ------------------------------------------------------------------ torn lines and foreign bytes
-TORN = b'{"event": "step", "step": 7, "loss": 2.5, "note": "\xc3'  # a writer killed mid-write: no newline, cut inside a character
+# A writer killed mid-write: no newline, cut inside a character.
+TORN = b'{"event": "step", "step": 7, "loss": 2.5, "note": "\xc3'
 
 
 def record_line(event: object) -> bytes:

@@ -40,7 +40,16 @@ def admitted(schema: CrdSchema, job: dict) -> dict:
     return job
 
 
-RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret"}
+RESTRICTED_VOLUMES = {
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+}
 
 
 def restricted_violations(pod: dict) -> list[str]:
@@ -91,8 +100,12 @@ def test_manifest_validates_against_crd_and_webhook_rules(schema: CrdSchema, ove
     pod = worker["template"]["spec"]
     assert {v["name"]: v for v in pod["volumes"]}["dshm"]["emptyDir"]["medium"] == "Memory"
     assert pod["securityContext"] == {
-        "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000, "runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"},
-    }  # fmt: skip
+        "runAsUser": 1000,
+        "runAsGroup": 1000,
+        "fsGroup": 1000,
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
     assert restricted_violations(pod) == []  # a namespace that enforces Pod Security "restricted" admits it
     limits = pod["containers"][0]["resources"]["limits"]
     assert limits.get("nvidia.com/gpu") == (str(overrides["nproc_per_node"]) if overrides.get("gpus") else None)
@@ -119,7 +132,9 @@ def test_the_schema_and_rules_catch_bad_manifests(schema: CrdSchema) -> None:
         admitted(schema, wrong_type)
     renamed = copy.deepcopy(job)
     renamed["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["name"] = "trainer"
-    assert [v.split(":")[0] for v in webhook_violations(renamed)] == ["spec.pytorchReplicaSpecs[Worker].template.spec.containers"]
+    assert [v.split(":")[0] for v in webhook_violations(renamed)] == [
+        "spec.pytorchReplicaSpecs[Worker].template.spec.containers"
+    ]
 
 
 def test_one_launch_contract_local_and_cluster() -> None:
@@ -128,7 +143,9 @@ def test_one_launch_contract_local_and_cluster() -> None:
     params = check_parameters({"nnodes": 3, "nproc_per_node": 2, "max_restarts": 5, "fault": "sigkill@7:5", **TRACKED})
     data, run_dir = shared_paths("exp-1")
     cfg, spec = job_from_parameters(params, data=data, run_dir=run_dir)
-    job = k8s.ApiClient().sanitize_for_serialization(build_pytorchjob(cfg, spec, cluster_options({**params, "training_run": "exp-1"})))
+    job = k8s.ApiClient().sanitize_for_serialization(
+        build_pytorchjob(cfg, spec, cluster_options({**params, "training_run": "exp-1"}))
+    )
     container = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
     assert container["command"] == worker_command(cfg)
     operator = {e["name"]: e["value"] for e in injected_env(job, "Worker", 1)}
@@ -145,19 +162,29 @@ def test_the_operator_env_with_a_master_replica() -> None:
     job = pytorchjob_manifest({**TRACKED, "nnodes": 2, "nproc_per_node": 4})
     spec = job["spec"]
     del spec["elasticPolicy"]
-    spec["pytorchReplicaSpecs"] = {"Master": {**spec["pytorchReplicaSpecs"]["Worker"], "replicas": 1}, **spec["pytorchReplicaSpecs"]}
+    spec["pytorchReplicaSpecs"] = {
+        "Master": {**spec["pytorchReplicaSpecs"]["Worker"], "replicas": 1},
+        **spec["pytorchReplicaSpecs"],
+    }
     env = {e["name"]: e["value"] for e in injected_env(job, "Worker", 1)}
     name = job["metadata"]["name"]
     assert env == {
         "PYTHONUNBUFFERED": "1",
-        "MASTER_ADDR": f"{name}-master-0", "PET_MASTER_ADDR": f"{name}-master-0",
-        "MASTER_PORT": "29400", "PET_MASTER_PORT": "29400",  # the container's pytorchjob-port
-        "WORLD_SIZE": "12", "RANK": "2", "PET_NODE_RANK": "2",
-        "PET_NNODES": "3", "PET_NPROC_PER_NODE": "4",
-    }  # fmt: skip
+        "MASTER_ADDR": f"{name}-master-0",
+        "PET_MASTER_ADDR": f"{name}-master-0",
+        "MASTER_PORT": "29400",
+        "PET_MASTER_PORT": "29400",  # the container's pytorchjob-port
+        "WORLD_SIZE": "12",
+        "RANK": "2",
+        "PET_NODE_RANK": "2",
+        "PET_NNODES": "3",
+        "PET_NPROC_PER_NODE": "4",
+    }
 
 
-def test_a_kubernetes_rerun_with_another_config_is_refused_before_the_job_is_submitted(data_dir: Path, tmp_path: Path) -> None:
+def test_a_kubernetes_rerun_with_another_config_is_refused_before_the_job_is_submitted(
+    data_dir: Path, tmp_path: Path
+) -> None:
     """Issue 34, item 5. Reproduction: a 30-step run, then a 40-step rerun of the same run dir on the
     kubernetes backend (no config.json was ever written there): the rerun skipped the old
     checkpoints, trained from step 0 and had its newest checkpoint deleted by retention. The train
@@ -170,14 +197,18 @@ def test_a_kubernetes_rerun_with_another_config_is_refused_before_the_job_is_sub
         data, run_dir = shared_paths("exp-1")
         job_cfg, spec = job_from_parameters(params, data=data, run_dir=run_dir)
         build_pytorchjob(job_cfg, spec, cluster_options({**params, "training_run": "exp-1"}))
-        cfg = dataclasses.replace(job_cfg, data=str(data_dir), run_dir=str(tmp_path / "run"), checkpoint_uri=checkpoint_uri)
+        cfg = dataclasses.replace(
+            job_cfg, data=str(data_dir), run_dir=str(tmp_path / "run"), checkpoint_uri=checkpoint_uri
+        )
         with as_pipeline_parameters():
             check_run_dir(cfg)
         return cfg
 
     train_step_check(30)
     assert json.loads((tmp_path / "run" / "config.json").read_text())["steps"] == 30  # recorded before any pod starts
-    with pytest.raises(ParameterError, match=r"^run_dir: .* belongs to another training config \(steps: 30 there, 40 now\)"):
+    with pytest.raises(
+        ParameterError, match=r"^run_dir: .* belongs to another training config \(steps: 30 there, 40 now\)"
+    ):
         train_step_check(40)
     train_step_check(30)  # the same run again: accepted
 
@@ -197,8 +228,10 @@ def test_the_restricted_check_refuses_what_the_profile_refuses() -> None:
     del pod["securityContext"]["seccompProfile"], pod["containers"][0]["securityContext"]
     name = pod["containers"][0]["name"]
     assert restricted_violations(pod) == [
-        f"{name}: allowPrivilegeEscalation != false", f"{name}: capabilities not dropped (ALL)", f"{name}: seccompProfile None",
-    ]  # fmt: skip
+        f"{name}: allowPrivilegeEscalation != false",
+        f"{name}: capabilities not dropped (ALL)",
+        f"{name}: seccompProfile None",
+    ]
     pod["hostNetwork"] = True
     pod["volumes"].append({"name": "host", "hostPath": {"path": "/"}})
     assert restricted_violations(pod)[:2] == ["host namespaces", "volume host"]

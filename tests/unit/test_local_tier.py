@@ -47,9 +47,13 @@ def one_rank(tmp_path: Path) -> Iterator[dist.ProcessGroup]:
     dist.destroy_process_group()
 
 
-def test_snapshots_are_bounded_checksummed_and_a_corrupt_one_is_skipped(one_rank: dist.ProcessGroup, tmp_path: Path) -> None:
+def test_snapshots_are_bounded_checksummed_and_a_corrupt_one_is_skipped(
+    one_rank: dist.ProcessGroup, tmp_path: Path
+) -> None:
     (tmp_path / "run").mkdir()
-    tier = LocalTier(tmp_path / "tier" / "run", every=2, group=one_rank, save_group=one_rank, events=EventLog(tmp_path / "run", 0))
+    tier = LocalTier(
+        tmp_path / "tier" / "run", every=2, group=one_rank, save_group=one_rank, events=EventLog(tmp_path / "run", 0)
+    )
     witness = tmp_path / "witness"
     for step in range(1, 8):
         tier.step(step, lambda step=step: {"w": torch.full((4,), float(step)), "rank": {"step": step}})
@@ -92,7 +96,13 @@ def test_the_background_write_keeps_the_state_it_was_handed(one_rank: dist.Proce
     (tmp_path / "run").mkdir()
 
     def tier() -> LocalTier:
-        return LocalTier(tmp_path / "tier" / "run", every=1, group=one_rank, save_group=one_rank, events=EventLog(tmp_path / "run", 0))
+        return LocalTier(
+            tmp_path / "tier" / "run",
+            every=1,
+            group=one_rank,
+            save_group=one_rank,
+            events=EventLog(tmp_path / "run", 0),
+        )
 
     live = torch.arange(1 << 22, dtype=torch.float32)  # 16 MiB
     tier().step(1, lambda: {"w": live, "rank": {"step": 1}})
@@ -107,8 +117,17 @@ def test_a_snapshot_is_packed_into_one_buffer_and_unpacked_exactly() -> None:
     comes back through torch.save / torch.load (weights only) equal, in its place in the tree."""
     live = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     state = {
-        "tensors": {"w": live.t(), "b": torch.tensor([1.5, -2.0], dtype=torch.bfloat16), "step": torch.tensor(7.0), "none": torch.empty(0)},
-        "rank": {"step": 7, "rng": {"torch": torch.get_rng_state()}, "loader": [3, {"epoch": torch.tensor([2], dtype=torch.int64)}]},
+        "tensors": {
+            "w": live.t(),
+            "b": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
+            "step": torch.tensor(7.0),
+            "none": torch.empty(0),
+        },
+        "rank": {
+            "step": 7,
+            "rng": {"torch": torch.get_rng_state()},
+            "loader": [3, {"epoch": torch.tensor([2], dtype=torch.int64)}],
+        },
     }
     buffers: dict = {}
     packed = _pack(state, buffers)
@@ -118,7 +137,9 @@ def test_a_snapshot_is_packed_into_one_buffer_and_unpacked_exactly() -> None:
     back = _unpack(torch.load(io.BytesIO(saved.getvalue()), weights_only=True))
     assert back["rank"]["step"] == 7 and back["rank"]["loader"][0] == 3
     for (path, original), (_, restored) in zip(_leaves(state), _leaves(back), strict=True):
-        assert (original.dtype, original.shape) == (restored.dtype, restored.shape) and torch.equal(original, restored), path
+        assert (original.dtype, original.shape) == (restored.dtype, restored.shape) and torch.equal(
+            original, restored
+        ), path
     torch.set_rng_state(back["rank"]["rng"]["torch"])  # the generator resumes where the saved state left it
     resumed = torch.rand(8)
     torch.set_rng_state(state["rank"]["rng"]["torch"])
@@ -149,8 +170,12 @@ def test_the_snapshot_maps_the_live_state_once_and_follows_it(one_rank: dist.Pro
         return {"tensors": _local_shards(tensors), "rank": rank_state}
 
     def same(a: dict, b: dict) -> bool:
-        structure = [(packed["skeleton"], packed["layout"]) for packed in (_pack(a, {}), _pack(b, {}))]  # values, names, dtypes, shapes
-        return structure[0] == structure[1] and all(torch.equal(x, y) for x, y in zip(_tensors(a), _tensors(b), strict=True))
+        structure = [
+            (packed["skeleton"], packed["layout"]) for packed in (_pack(a, {}), _pack(b, {}))
+        ]  # values, names, dtypes, shapes
+        return structure[0] == structure[1] and all(
+            torch.equal(x, y) for x, y in zip(_tensors(a), _tensors(b), strict=True)
+        )
 
     assert same(state.local_snapshot(0), mapped_now(0))  # before the first step (DCP makes the optimizer's state)
     for step in (1, 2, 3):
@@ -180,7 +205,9 @@ def _tensors(tree: object) -> list[torch.Tensor]:
 def test_replicas_default_to_one_with_another_node_and_a_local_tier() -> None:
     local = TrainConfig(data="d", run_dir="r", local_ckpt_every=1)
     assert [local.replicas(nnodes) for nnodes in (1, 2, 3)] == [0, 1, 1]
-    assert TrainConfig(data="d", run_dir="r", local_ckpt_every=0).replicas(2) == 0  # no local tier: nothing to replicate
+    assert (
+        TrainConfig(data="d", run_dir="r", local_ckpt_every=0).replicas(2) == 0
+    )  # no local tier: nothing to replicate
     assert TrainConfig(data="d", run_dir="r").replicas(2) == 1  # the tiny model's tier is on by default
     assert TrainConfig(data="d", run_dir="r", local_ckpt_every=1, local_replicas=0).replicas(2) == 0
     assert TrainConfig(data="d", run_dir="r", local_ckpt_every=1, local_replicas=2).replicas(3) == 2
@@ -193,7 +220,9 @@ def test_the_local_tier_is_on_every_step_by_default_up_to_the_small_model() -> N
     assert by_default == {"tiny": 1, "small": 1, "base": 0, "large": 0, "1b": 0}
     assert TrainConfig(data="d", run_dir="r", model="base", local_ckpt_every=5).local_ckpt_every == 5
     assert TrainConfig(data="d", run_dir="r", local_ckpt_every=0).local_ckpt_every == 0
-    assert "--local-ckpt-every 1" in " ".join(TrainConfig(data="d", run_dir="r", model="small").to_argv())  # ranks get the rule's value
+    assert "--local-ckpt-every 1" in " ".join(
+        TrainConfig(data="d", run_dir="r", model="small").to_argv()
+    )  # ranks get the rule's value
 
 
 def test_cliques_hold_each_rank_on_other_nodes() -> None:
@@ -226,7 +255,9 @@ def test_replicas_are_checked_as_pipeline_parameters_too() -> None:
 
 def test_dev_shm_is_sized_for_the_replicas_a_node_holds() -> None:
     def need(nnodes: int, replicas: int) -> int:
-        cfg = TrainConfig(data="d", run_dir="r", model="base", local_ckpt_every=1, local_replicas=replicas, world_size=2 * nnodes)
+        cfg = TrainConfig(
+            data="d", run_dir="r", model="base", local_ckpt_every=1, local_replicas=replicas, world_size=2 * nnodes
+        )
         return local_tier_bytes(cfg, LaunchSpec(nnodes=nnodes, nproc_per_node=2))
 
     assert need(2, 1) == pytest.approx(2 * need(2, 0), abs=2)  # each rank holds its own and one peer's
@@ -245,7 +276,10 @@ def test_corrupting_a_local_snapshot_needs_one() -> None:
 
 
 def test_a_dev_shm_too_small_for_two_snapshots_is_refused_with_the_numbers() -> None:
-    cfg, spec = TrainConfig(data="d", run_dir="r", model="base", local_ckpt_every=1), LaunchSpec(nnodes=1, nproc_per_node=2)
+    cfg, spec = (
+        TrainConfig(data="d", run_dir="r", model="base", local_ckpt_every=1),
+        LaunchSpec(nnodes=1, nproc_per_node=2),
+    )
     need = local_tier_bytes(cfg, spec)
     assert need > 2 * 2 * 85_000_000 * 3 * 4 / 2  # two snapshots of each rank's params + 2 moments, fp32
     check_local_tier(cfg, spec, free_bytes=need)
@@ -258,13 +292,19 @@ def test_a_dev_shm_too_small_for_two_snapshots_is_refused_with_the_numbers() -> 
 
 def test_the_pytorchjob_sizes_dev_shm_for_the_local_tier() -> None:
     def shm_limit(local_every: int) -> str:
-        cfg = TrainConfig(data=f"{WORKSPACE_MOUNT}/d", run_dir=f"{WORKSPACE_MOUNT}/r", model="small", local_ckpt_every=local_every)
-        job = build_pytorchjob(cfg, LaunchSpec(nnodes=2, nproc_per_node=2), ClusterOptions(name="job", image="img:1", shm_size="1Gi"))
+        cfg = TrainConfig(
+            data=f"{WORKSPACE_MOUNT}/d", run_dir=f"{WORKSPACE_MOUNT}/r", model="small", local_ckpt_every=local_every
+        )
+        job = build_pytorchjob(
+            cfg, LaunchSpec(nnodes=2, nproc_per_node=2), ClusterOptions(name="job", image="img:1", shm_size="1Gi")
+        )
         (volume,) = [v for v in job.spec.pytorch_replica_specs["Worker"].template.spec.volumes if v.name == "dshm"]
         return volume.empty_dir.size_limit
 
     assert shm_limit(0) == "1Gi"
-    tier = local_tier_bytes(TrainConfig(data="d", run_dir="r", model="small", local_ckpt_every=1), LaunchSpec(nnodes=2, nproc_per_node=2))
+    tier = local_tier_bytes(
+        TrainConfig(data="d", run_dir="r", model="small", local_ckpt_every=1), LaunchSpec(nnodes=2, nproc_per_node=2)
+    )
     assert 0 <= quantity_bytes(shm_limit(1)) - (2**30 + tier) < 2**20
 
 
@@ -278,7 +318,13 @@ def test_local_snapshots_are_reported_apart_from_the_durable_checkpoints() -> No
 
     def ckpt(t: float, step: int, tier: str) -> Checkpoint:
         return Checkpoint(
-            time=t, step=step, mode="async" if tier == "durable" else "sync", tier=tier, blocking_s=0.1, total_s=0.2, bytes=10
+            time=t,
+            step=step,
+            mode="async" if tier == "durable" else "sync",
+            tier=tier,
+            blocking_s=0.1,
+            total_s=0.2,
+            bytes=10,
         )
 
     events = [
@@ -287,7 +333,9 @@ def test_local_snapshots_are_reported_apart_from_the_durable_checkpoints() -> No
         ckpt(101.1, 1, "local"),
         Step(time=102.0, step=2, loss=4.0, step_time_s=0.5),
         ckpt(102.1, 2, "durable"),
-        Restart(time=105.0, layer="in_process", attempt=1, resumed_from_step=2, lost_steps=0, recovery_s=2.0, source="local"),
+        Restart(
+            time=105.0, layer="in_process", attempt=1, resumed_from_step=2, lost_steps=0, recovery_s=2.0, source="local"
+        ),
     ]
     keys = {key for key, *_ in metric_points(events)}
     assert {"local_ckpt_blocking_s", "ckpt_blocking_s"} <= keys

@@ -37,7 +37,9 @@ def other_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_the_mirror_record_is_written_before_any_process_starts(data_dir: Path, other_data: Path, tmp_path: Path) -> None:
+def test_the_mirror_record_is_written_before_any_process_starts(
+    data_dir: Path, other_data: Path, tmp_path: Path
+) -> None:
     mirror = tmp_path / "mirror"
     mine = TrainConfig(data=str(data_dir), run_dir=str(tmp_path / "a"), checkpoint_uri=str(mirror))
     check_launch(mine, LaunchSpec())
@@ -55,7 +57,9 @@ def test_retention_deletes_only_its_own_runs_checkpoints(tmp_path: Path) -> None
     remote = tmp_path / "mirror"
     store = open_storage(str(remote))
     for step, fingerprint in ((1, "theirs"), (2, "mine"), (3, "mine"), (4, "mine")):
-        store.write_bytes(f"{CHECKPOINTS}/step_{step:06d}/{MANIFEST}", json.dumps({"fingerprint": fingerprint}).encode())
+        store.write_bytes(
+            f"{CHECKPOINTS}/step_{step:06d}/{MANIFEST}", json.dumps({"fingerprint": fingerprint}).encode()
+        )
     store.write_bytes(f"{CHECKPOINTS}/step_000000/x.distcp", b"partial upload")  # no manifest yet: this run's
     mirror = CheckpointMirror(str(remote), tmp_path / "run", keep_last=2)
     try:

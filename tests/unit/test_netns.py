@@ -21,7 +21,10 @@ def test_node_fault_grammar() -> None:
 
 def test_sigterms_on_several_ranks_may_share_a_step_and_nothing_else_may() -> None:
     """Preempting several nodes at once (the whole job) is one event, not a race between faults."""
-    assert parse_fault_spec("sigterm@6:0,sigterm@6:1", steps=10, world_size=2) == [Fault("sigterm", 6, 0), Fault("sigterm", 6, 1)]
+    assert parse_fault_spec("sigterm@6:0,sigterm@6:1", steps=10, world_size=2) == [
+        Fault("sigterm", 6, 0),
+        Fault("sigterm", 6, 1),
+    ]
     for spec in ("sigterm@6:0,sigkill@6:1", "sigkill@6:0,sigterm@6:1", "sigterm@6/write:0,sigterm@6:1"):
         with pytest.raises(ValueError, match="one fault per step"):
             parse_fault_spec(spec, steps=10, world_size=2)

@@ -42,7 +42,10 @@ def config(**changes: object) -> dict:
 
 def steps(t: float, first: int, last: int, *, loss: float = 0.0) -> list[Step]:
     """Steps ``first..last``, one a second from ``t``, each with loss ``loss + step``."""
-    return [Step(time=t + i, step=s, loss=loss + s, step_time_s=STEP_S, tokens=100) for i, s in enumerate(range(first, last + 1))]
+    return [
+        Step(time=t + i, step=s, loss=loss + s, step_time_s=STEP_S, tokens=100)
+        for i, s in enumerate(range(first, last + 1))
+    ]
 
 
 def record(name: str, events: list[Event], *, experiment: str = "exp", mode: str = "async") -> compare.RunRecord:
@@ -109,7 +112,11 @@ def test_lost_steps_are_reported_per_fault_by_the_tier_resumed_from() -> None:
     events[first] = replace(events[first], source="local", lost_steps=3)  # the in-process recovery, from the local tier
     run = record("faulted", events)
     by_tier = compare.lost_steps_by_tier(compare.recoveries([run]))
-    assert by_tier.loc[("faulted", "local")].tolist() == [1, 3, 3] and by_tier.loc[("faulted", "durable")].tolist() == [1, 0, 0]
+    assert by_tier.loc[("faulted", "local")].tolist() == [1, 3, 3] and by_tier.loc[("faulted", "durable")].tolist() == [
+        1,
+        0,
+        0,
+    ]
     points = {(key, step): value for key, value, _, step in metric_points(events)}
     assert (points[("restart_lost_steps_local", 1)], points[("restart_lost_steps_durable", 2)]) == (3, 0)
     assert headline_metrics(events, valid=None)["lost steps max per fault"] == 3

@@ -33,7 +33,17 @@ def test_the_cli_the_pipeline_and_the_config_share_their_defaults() -> None:
     pipeline, flags = pipeline_defaults(), train_flag_defaults()
     shared = {**config, **launch}
     in_pipeline = set(pipeline) & set(shared)
-    assert {"steps", "ckpt_every", "ckpt_mode", "fault", "model", "hang_timeout", "grace_period", "nnodes", "max_restarts"} <= in_pipeline
+    assert {
+        "steps",
+        "ckpt_every",
+        "ckpt_mode",
+        "fault",
+        "model",
+        "hang_timeout",
+        "grace_period",
+        "nnodes",
+        "max_restarts",
+    } <= in_pipeline
     assert {name: pipeline[name] for name in in_pipeline} == {name: shared[name] for name in in_pipeline}
     in_cli = set(flags) & set(shared)
     assert set(config) - {"world_size"} <= in_cli  # every config field is a flag (world_size derives from the spec)
@@ -48,7 +58,9 @@ def test_errors_name_the_flag_on_the_command_line_and_the_parameter_in_the_pipel
         job_from_parameters(params, data=str(tmp_path), run_dir=str(tmp_path / "run"))
     assert caught.value.field == "ckpt_every"
     with pytest.raises(ParameterError, match="^fault: step 99 in 'exception@99' is outside the run"):
-        job_from_parameters({**params, "ckpt_every": 10, "fault": "exception@99"}, data=str(tmp_path), run_dir=str(tmp_path / "run"))
+        job_from_parameters(
+            {**params, "ckpt_every": 10, "fault": "exception@99"}, data=str(tmp_path), run_dir=str(tmp_path / "run")
+        )
     with pytest.raises(ParameterError, match="^max_restarts: must be at least 0"):
         job_from_parameters({**params, "max_restarts": -1}, data=str(tmp_path), run_dir=str(tmp_path / "run"))
 

@@ -37,12 +37,41 @@ MLFLOW = "http://mlflow.team-a:5000"
 BODY = ["check-run", "prepare-data", "train", "validate-checkpoint", "export-model"]
 EXIT = "log-to-mlflow"
 EXPECTED_PARAMETERS = {
-    "steps", "ckpt_every", "ckpt_mode", "local_ckpt_every", "local_replicas", "nnodes", "nproc_per_node", "max_restarts",
-    "inprocess_restart", "fault",
-    "model", "seed", "hang_timeout", "grace_period", "system_metrics_every", "backend", "training_run", "image", "job_namespace", "gpus",
-    "cpu", "memory", "source", "pvc_name", "checkpoint_uri", "tracking_uri", "experiment",
-    "tokenizer", "text_field", "seq_len", "grad_accum_steps", "activation_checkpointing", "export_uri", "registered_model",
-}  # fmt: skip
+    "steps",
+    "ckpt_every",
+    "ckpt_mode",
+    "local_ckpt_every",
+    "local_replicas",
+    "nnodes",
+    "nproc_per_node",
+    "max_restarts",
+    "inprocess_restart",
+    "fault",
+    "model",
+    "seed",
+    "hang_timeout",
+    "grace_period",
+    "system_metrics_every",
+    "backend",
+    "training_run",
+    "image",
+    "job_namespace",
+    "gpus",
+    "cpu",
+    "memory",
+    "source",
+    "pvc_name",
+    "checkpoint_uri",
+    "tracking_uri",
+    "experiment",
+    "tokenizer",
+    "text_field",
+    "seq_len",
+    "grad_accum_steps",
+    "activation_checkpointing",
+    "export_uri",
+    "registered_model",
+}
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +106,12 @@ def test_compiled_ir_parses_strictly(compiled: list[dict]) -> None:
     for name, param in inputs.items():
         assert param.description.strip(), f"parameter {name} has no description"
         assert param.HasField("default_value"), f"parameter {name} has no default"
-    assert not [n for n in inputs if re.search("password|secret|token(?!izer)|access_key", n)], "credentials are never parameters"
-    assert not {"run_name", "namespace"} & set(inputs), "names beside KFP's own 'Run name' and profile namespace confuse"
+    assert not [n for n in inputs if re.search("password|secret|token(?!izer)|access_key", n)], (
+        "credentials are never parameters"
+    )
+    assert not {"run_name", "namespace"} & set(inputs), (
+        "names beside KFP's own 'Run name' and profile namespace confuse"
+    )
     # A person starting a run from the UI gets a PyTorchJob and a training run of its own.
     assert inputs["backend"].default_value.string_value == "kubernetes"
     assert inputs["training_run"].default_value.string_value == ""
@@ -132,7 +165,9 @@ def test_kubernetes_platform_config_parses_strictly(compiled: list[dict]) -> Non
     platform = json_format.ParseDict(compiled[1], pipeline_spec_pb2.PlatformSpec(), ignore_unknown_fields=False)
     executors = json_format.MessageToDict(platform.platforms["kubernetes"].deployment_spec)["executors"]
     configs = {
-        name: json_format.ParseDict(cfg, kubernetes_executor_config_pb2.KubernetesExecutorConfig(), ignore_unknown_fields=False)
+        name: json_format.ParseDict(
+            cfg, kubernetes_executor_config_pb2.KubernetesExecutorConfig(), ignore_unknown_fields=False
+        )
         for name, cfg in executors.items()
     }
     assert set(configs) == {f"exec-{t}" for t in [*BODY, EXIT]}
@@ -143,7 +178,9 @@ def test_kubernetes_platform_config_parses_strictly(compiled: list[dict]) -> Non
         assert "MLFLOW_TRACKING_URI" in {k.env_var for s in secrets.values() for k in s.key_to_env}, name
         mounts = [(m.mount_path, m.pvc_name_parameter.component_input_parameter) for m in cfg.pvc_mount]
         # Every step finds the run by its name on the volume (inside the exit handler the parameter is a channel).
-        assert [(path, param.removeprefix("pipelinechannel--")) for path, param in mounts] == [(WORKSPACE_MOUNT, "pvc_name")], name
+        assert [(path, param.removeprefix("pipelinechannel--")) for path, param in mounts] == [
+            (WORKSPACE_MOUNT, "pvc_name")
+        ], name
 
 
 def test_the_default_training_run_is_unique_per_kfp_run_and_an_explicit_one_is_kept() -> None:
@@ -173,12 +210,18 @@ def test_the_default_training_run_is_unique_per_kfp_run_and_an_explicit_one_is_k
         ("grace_period=2", "grace_period: must be at least 5 s"),
         ("fault=node-loss@3:0", "fault: node-loss@3:0 are node-level faults"),
         ("checkpoint_uri=/data/ckpts", "checkpoint_uri: '/data/ckpts' is not s3://bucket/prefix"),
-        ("tracking_uri=mlflow.example.com:5000", "tracking_uri: 'mlflow.example.com:5000' is not an MLflow tracking URI"),
+        (
+            "tracking_uri=mlflow.example.com:5000",
+            "tracking_uri: 'mlflow.example.com:5000' is not an MLflow tracking URI",
+        ),
         ("tracking_uri=http://", "tracking_uri: 'http://' names no host"),
         ("steps=abc", "--set steps: 'abc' is not a valid int"),
         ("stepz=10", "--set: unknown parameter 'stepz'"),
         ("model=hf:/no/such/model", "model: hf:/no/such/model: no model directory there"),
-        ("model=py:no_such_package.module:build", "model: py:no_such_package.module:build: cannot import no_such_package.module"),
+        (
+            "model=py:no_such_package.module:build",
+            "model: py:no_such_package.module:build: cannot import no_such_package.module",
+        ),
         ("text_field= ", "text_field: must not be empty"),
         ("export_uri=models/llama", "export_uri: 'models/llama' is not s3://bucket/prefix nor an absolute path"),
         ("registered_model=llama", "registered_model: 'llama' needs a model to register: set export_uri"),
@@ -186,7 +229,9 @@ def test_the_default_training_run_is_unique_per_kfp_run_and_an_explicit_one_is_k
         ("seq_len=-1", "seq_len: must be at least 0"),
     ],
 )
-def test_bad_parameters_fail_before_anything_starts(tmp_path: Path, capsys: pytest.CaptureFixture, setting: str, named: str) -> None:
+def test_bad_parameters_fail_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture, setting: str, named: str
+) -> None:
     root = tmp_path / "root"
     assert main(["pipeline", "run-local", "--root", str(root), "--set", setting]) == 2
     err = capsys.readouterr().err
@@ -208,10 +253,17 @@ def test_a_manifest_for_an_hf_model_in_a_bucket_is_a_2x8_gpu_job(capsys: pytest.
     (container,) = worker["template"]["spec"]["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
     command = container["command"]
-    assert command[command.index("--model") + 1] == "hf:s3://bucket/m" and command[command.index("--world-size") + 1] == "16"
+    assert (
+        command[command.index("--model") + 1] == "hf:s3://bucket/m"
+        and command[command.index("--world-size") + 1] == "16"
+    )
     assert command[command.index("--grad-accum-steps") + 1] == "4" and "--activation-checkpointing" in command
     described = {p.name: p.description for p in parameters()}
-    assert "hf:PATH" in described["model"] and "py:package.module:factory" in described["model"] and "s3://" in described["model"]
+    assert (
+        "hf:PATH" in described["model"]
+        and "py:package.module:factory" in described["model"]
+        and "s3://" in described["model"]
+    )
     assert "export_uri" in described["registered_model"] and "MLflow" in described["export_uri"]
 
 
@@ -237,7 +289,11 @@ def test_train_step_rejects_bad_parameters_before_any_process(tmp_path: Path, mo
         train.python_func(data=data, run=run, **{**params, "backend": "slurm"})
     assert not (tmp_path / "run").exists()
     record = json.loads((tmp_path / "workspace" / "ui-run" / FAILURE_FILE).read_text())
-    assert record == {"kfp_run": "kfp-1", "step": TRAIN_STEP, "reason": "ParameterError: backend: 'slurm' is not one of local, kubernetes"}
+    assert record == {
+        "kfp_run": "kfp-1",
+        "step": TRAIN_STEP,
+        "reason": "ParameterError: backend: 'slurm' is not one of local, kubernetes",
+    }
     assert [p.name for p in (tmp_path / "workspace" / "ui-run").iterdir()] == [FAILURE_FILE], "no process, no run dir"
 
 
@@ -281,11 +337,19 @@ class RecordingKfpServer:
                 if req["path"] == "/apis/v2beta1/healthz":
                     self._reply({"multi_user": False})
                 elif req["path"] == "/apis/v2beta1/pipelines":
-                    self._reply({"pipelines": outer.pipelines, "total_size": len(outer.pipelines)} if outer.pipelines else {})
+                    self._reply(
+                        {"pipelines": outer.pipelines, "total_size": len(outer.pipelines)} if outer.pipelines else {}
+                    )
                 elif req["path"] == "/apis/v2beta1/pipelines/p-1/versions":
-                    self._reply({"pipeline_versions": [{"pipeline_id": "p-1", "pipeline_version_id": "v-1"}], "total_size": 1})
+                    self._reply(
+                        {"pipeline_versions": [{"pipeline_id": "p-1", "pipeline_version_id": "v-1"}], "total_size": 1}
+                    )
                 elif req["path"] == "/apis/v2beta1/experiments":
-                    self._reply({"experiments": outer.experiments, "total_size": len(outer.experiments)} if outer.experiments else {})
+                    self._reply(
+                        {"experiments": outer.experiments, "total_size": len(outer.experiments)}
+                        if outer.experiments
+                        else {}
+                    )
                 else:
                     self.send_error(404)
 
@@ -318,7 +382,9 @@ class RecordingKfpServer:
         return [(r["method"], r["path"]) for r in self.requests[since:]]
 
     def uploaded_ir(self, request: dict) -> dict:
-        message = email.parser.BytesParser().parsebytes(b"Content-Type: " + request["type"].encode() + b"\r\n\r\n" + request["body"])
+        message = email.parser.BytesParser().parsebytes(
+            b"Content-Type: " + request["type"].encode() + b"\r\n\r\n" + request["body"]
+        )
         part = next(p for p in message.walk() if p.get_filename())
         return next(yaml.safe_load_all(part.get_payload(decode=True)))
 
@@ -335,7 +401,13 @@ def test_submit_uploads_then_versions_and_starts_runs(tmp_path: Path) -> None:
             "fault": "sigkill@30:5",
             "tracking_uri": MLFLOW,
         }
-        ids = submit(server.url, overrides, kfp_experiment="fsdp-runs", service_account="rfsdp-pipeline", package=tmp_path / "p.yaml")
+        ids = submit(
+            server.url,
+            overrides,
+            kfp_experiment="fsdp-runs",
+            service_account="rfsdp-pipeline",
+            package=tmp_path / "p.yaml",
+        )
         assert server.calls() == [
             ("GET", "/apis/v2beta1/healthz"),  # ours: is it KFP at all?
             ("GET", "/apis/v2beta1/healthz"),
@@ -387,7 +459,9 @@ def test_submit_refuses_bad_parameters_before_contacting_the_server() -> None:
         # A cluster run must say where MLflow is: the submitter cannot see the cluster's secret.
         with pytest.raises(ParameterError, match="^tracking_uri: a kubernetes run needs an MLflow tracking server"):
             submit(server.url, {"training_run": "exp-8"})
-        with pytest.raises(ParameterError, match="^tracking_uri: 'sqlite:///tmp/m.db' is a file in the logging step's pod"):
+        with pytest.raises(
+            ParameterError, match="^tracking_uri: 'sqlite:///tmp/m.db' is a file in the logging step's pod"
+        ):
             submit(server.url, {"tracking_uri": "sqlite:///tmp/m.db"})
         assert server.requests == []
     finally:

@@ -21,9 +21,13 @@ def test_the_sampler_writes_what_the_machine_is_doing(tmp_path: Path) -> None:
     first = select(read_events(tmp_path), SystemSample)[0]
     assert (first.node, first.rank) == (1, 1)
     expected = {"cpu_utilization_percentage", "system_memory_usage_megabytes", "system_memory_usage_percentage"}
-    expected |= {"network_receive_megabytes", "network_transmit_megabytes"} | ({"shm_usage_megabytes"} if SHM.is_dir() else set())
+    expected |= {"network_receive_megabytes", "network_transmit_megabytes"} | (
+        {"shm_usage_megabytes"} if SHM.is_dir() else set()
+    )
     assert expected <= set(first.metrics)  # and gpu_<i>_... only where NVML sees GPUs: none here
-    assert 0 <= first.metrics["cpu_utilization_percentage"] <= 100 and first.metrics["system_memory_usage_megabytes"] > 0
+    assert (
+        0 <= first.metrics["cpu_utilization_percentage"] <= 100 and first.metrics["system_memory_usage_megabytes"] > 0
+    )
     stopped = len(select(read_events(tmp_path), SystemSample))
     time.sleep(0.3)
     assert len(select(read_events(tmp_path), SystemSample)) == stopped, "no sample after stop() returns"

@@ -14,7 +14,16 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.data.shards import DataError, TokenLoader, decode, encode, load_manifest, load_split, prepare_tokens, verify_shards
+from trainer.data.shards import (
+    DataError,
+    TokenLoader,
+    decode,
+    encode,
+    load_manifest,
+    load_split,
+    prepare_tokens,
+    verify_shards,
+)
 from trainer.events import (
     Checkpoint,
     EventLog,
@@ -55,12 +64,21 @@ def cfg(**kw) -> TrainConfig:
         ({"fault": "sigkill@3:5"}, "--fault"),
         ({"fault": "sigkill-3"}, "--fault"),
         ({"max_inprocess_restarts": -1}, "--max-inprocess-restarts"),
-        ({"fault": "exception@10/commit"}, "--fault: 'exception@10/commit': /PHASE is one of stage, plan, write, finalize"),
-        ({"fault": "exception@7/write"}, "--fault: exception@7/write:0 fires inside a save, but step 7 has no async save"),
+        (
+            {"fault": "exception@10/commit"},
+            "--fault: 'exception@10/commit': /PHASE is one of stage, plan, write, finalize",
+        ),
+        (
+            {"fault": "exception@7/write"},
+            "--fault: exception@7/write:0 fires inside a save, but step 7 has no async save",
+        ),
         ({"fault": "exception@10/write", "ckpt_mode": "sync"}, "step 10 has no async save"),
         ({"fault": "node-loss@10/write:1"}, "--fault"),
         ({"grace_period": 1.0}, "--grace-period: must be at least 5 s"),
-        ({"fault": "exception@10:1,sigkill@10:0"}, "--fault: exception@10:1 and sigkill@10:0 are both at step 10: one fault per step"),
+        (
+            {"fault": "exception@10:1,sigkill@10:0"},
+            "--fault: exception@10:1 and sigkill@10:0 are both at step 10: one fault per step",
+        ),
         ({"log_every": -1}, "--log-every: must be at least 0"),
         ({"system_metrics_every": 0.5}, "--system-metrics-every: must be 0 \\(off\\) or at least 1 s, got 0.5"),
         ({"system_metrics_every": -1.0}, "--system-metrics-every"),
@@ -72,11 +90,17 @@ def test_bad_config_names_the_parameter(kw: dict, names: str) -> None:
 
 
 def test_fault_spec_grammar() -> None:
-    faults = parse_fault_spec("exception@5:1, sigkill@9,hang@12:0,exit@20:1,exception@10/finalize:1,sigterm@25:1", steps=30, world_size=2)
+    faults = parse_fault_spec(
+        "exception@5:1, sigkill@9,hang@12:0,exit@20:1,exception@10/finalize:1,sigterm@25:1", steps=30, world_size=2
+    )
     assert [(f.kind, f.step, f.rank, f.phase) for f in faults] == [
-        ("exception", 5, 1, ""), ("sigkill", 9, 0, ""), ("hang", 12, 0, ""), ("exit", 20, 1, ""), ("exception", 10, 1, "finalize"),
+        ("exception", 5, 1, ""),
+        ("sigkill", 9, 0, ""),
+        ("hang", 12, 0, ""),
+        ("exit", 20, 1, ""),
+        ("exception", 10, 1, "finalize"),
         ("sigterm", 25, 1, ""),
-    ]  # fmt: skip
+    ]
     assert faults[4].key == "exception@10/finalize:1"
 
 
@@ -169,7 +193,9 @@ def test_describe_restart_measures_from_the_fault() -> None:
     marks = {"imports_done": 3.0, "process_group": 16.0, "resumed": 18.0}  # a process that outlived the fault
     r = describe_restart(RunHistory.of(prior), layer="in_process", resumed_from=10, first_step=first, marks=marks)
     phases = {"process_group": 1.5, "resumed": 3.5, "first_step": 5.5}
-    assert r == Restart(layer="in_process", attempt=1, resumed_from_step=10, lost_steps=4, recovery_s=5.5, phases=phases)
+    assert r == Restart(
+        layer="in_process", attempt=1, resumed_from_step=10, lost_steps=4, recovery_s=5.5, phases=phases
+    )
 
 
 def test_recovery_is_measured_on_the_clock_of_the_host_that_saw_it_end() -> None:
@@ -179,9 +205,17 @@ def test_recovery_is_measured_on_the_clock_of_the_host_that_saw_it_end() -> None
     fault = FaultFired(time=114.5, host="node-1", rank=1, kind="sigkill", step=15)
     first = Step(time=20.0, host="node-0", step=11, loss=1.0, step_time_s=0.5)
     prior = [RunStart(time=0.0, host="node-0", config={}, resumed_from_step=0, world_size=2), *steps, fault]
-    assert describe_restart(RunHistory.of(prior), layer="in_job", resumed_from=10, first_step=first).recovery_s == 20.0 - 14.0
+    assert (
+        describe_restart(RunHistory.of(prior), layer="in_job", resumed_from=10, first_step=first).recovery_s
+        == 20.0 - 14.0
+    )
     same_host = dataclasses.replace(fault, time=14.5, host="node-0")
-    assert describe_restart(RunHistory.of([*prior[:-1], same_host]), layer="in_job", resumed_from=10, first_step=first).recovery_s == 5.5
+    assert (
+        describe_restart(
+            RunHistory.of([*prior[:-1], same_host]), layer="in_job", resumed_from=10, first_step=first
+        ).recovery_s
+        == 5.5
+    )
 
 
 def test_torn_event_lines_are_skipped() -> None:
@@ -203,7 +237,11 @@ def test_a_second_fault_before_the_first_ones_step_counts_only_its_own_lost_step
     step = partial(Step, loss=1.0, step_time_s=0.1)
     first_incarnation = [RunStart(config={}, resumed_from_step=0, world_size=2), *(step(step=s) for s in range(1, 28))]
     fault = FaultFired(kind="sigkill", step=28)
-    restarted = [step(step=21), Restart(layer="in_job", attempt=1, resumed_from_step=20, lost_steps=7, recovery_s=1.0), step(step=22)]
+    restarted = [
+        step(step=21),
+        Restart(layer="in_job", attempt=1, resumed_from_step=20, lost_steps=7, recovery_s=1.0),
+        step(step=22),
+    ]
     history = RunHistory.of([*first_incarnation, fault])
     assert describe_restart(history, layer="in_job", resumed_from=20, first_step=step(step=21)).lost_steps == 7
     history = RunHistory.of([*first_incarnation, fault, *restarted, fault])
@@ -216,7 +254,9 @@ def test_launch_refuses_bad_input_before_starting(tmp_path: Path, data_dir: Path
     with pytest.raises(ValueError, match="--nproc-per-node"):
         LaunchSpec(nproc_per_node=0)
     with pytest.raises(ValueError, match="does not fit"):
-        check_launch(TrainConfig(data=str(data_dir), run_dir=str(tmp_path / "r"), world_size=512), LaunchSpec(nproc_per_node=512))
+        check_launch(
+            TrainConfig(data=str(data_dir), run_dir=str(tmp_path / "r"), world_size=512), LaunchSpec(nproc_per_node=512)
+        )
     run = tmp_path / "other"
     run.mkdir()
     (run / "config.json").write_text(json.dumps({"model": "small", "seed": 0}))
@@ -244,16 +284,21 @@ def test_a_run_history_keeps_what_a_restart_needs_and_reads_only_its_kinds(tmp_p
     ckpt = partial(Checkpoint, mode="async", blocking_s=0.01, total_s=0.1, bytes=1, tier="local")
     events = [
         RunStart(time=0.0, config={}, resumed_from_step=0, world_size=2),
-        step(time=1.0, step=1), ckpt(time=1.1, step=1), step(time=2.0, step=2),
+        step(time=1.0, step=1),
+        ckpt(time=1.1, step=1),
+        step(time=2.0, step=2),
         FaultFired(time=2.5, kind="exception", step=3, host="h1"),
         step(time=2.6, step=3),  # completed after the fault, before the restart
         FaultFired(time=2.7, kind="sigkill", step=4, host="h1"),
         Restart(time=4.0, layer="in_job", attempt=1, resumed_from_step=1, lost_steps=2, recovery_s=1.5),
-        step(time=5.0, step=2), RunEnd(time=6.0, status="stopped", step=2),
+        step(time=5.0, step=2),
+        RunEnd(time=6.0, status="stopped", step=2),
         RunStart(time=10.0, config={}, resumed_from_step=2, world_size=2),
-        step(time=11.0, step=3), step(time=12.0, step=4),
-        FaultFired(time=12.5, kind="sigkill", step=5, host="h1"), step(time=12.6, step=5),
-    ]  # fmt: skip
+        step(time=11.0, step=3),
+        step(time=12.0, step=4),
+        FaultFired(time=12.5, kind="sigkill", step=5, host="h1"),
+        step(time=12.6, step=5),
+    ]
     lines = [json.dumps(to_record(e)) + "\n" for e in events]  # as EventLog writes them, with these times and hosts
     lines[2:4] = [lines[2][:30] + lines[3]]  # a checkpoint line torn by its killed writer, the next line (a step) on it
     (tmp_path / "events.jsonl").write_text("".join(lines) + "not json\n")
@@ -289,7 +334,10 @@ def test_the_async_writer_refuses_an_nvrx_whose_internals_moved(monkeypatch: pyt
     check_nvrx_internals()
     monkeypatch.setattr(PersistentAsyncCaller, "async_loop", staticmethod(lambda rank, queue, preload_q, comp_q: None))
     monkeypatch.delattr(filesystem_async, "_results_queue")
-    refused = r"nvidia-resiliency-ext \S+ is not what .* checked against \(0\.4\.1\): .*PersistentAsyncCaller\.async_loop\(rank, "
+    refused = (
+        r"nvidia-resiliency-ext \S+ is not what .* checked against "
+        r"\(0\.4\.1\): .*PersistentAsyncCaller\.async_loop\(rank, "
+    )
     with pytest.raises(NonTransientError, match=refused + r".*filesystem_async\._results_queue"):
         AsyncCheckpointWriter(cuda=False)
 
@@ -301,7 +349,10 @@ def test_validation_replays_never_touch_the_runs_mirror_or_faults(tmp_path: Path
     EventLog(tmp_path, 0).emit(RunStart(config=recorded, resumed_from_step=0, world_size=2))
     replay = run_config(tmp_path, data_dir)
     assert (replay.checkpoint_uri, replay.fault, replay.stop_at_step) == ("", "", 0)
-    assert replay.trajectory_hash() == cfg(**{k: v for k, v in recorded.items() if k not in ("data", "run_dir")}).trajectory_hash()
+    assert (
+        replay.trajectory_hash()
+        == cfg(**{k: v for k, v in recorded.items() if k not in ("data", "run_dir")}).trajectory_hash()
+    )
 
 
 def test_store_port_block_is_free_and_outside_the_ephemeral_range() -> None:
@@ -326,7 +377,9 @@ def test_run_dir_lock_refuses_a_second_holder_and_takes_over_a_stale_one(tmp_pat
     busy = rf"^--run-dir: {run} is in use by a live job \(pid {os.getpid()} on "
     with hold_run_dir(run), pytest.raises(ParameterError, match=busy), hold_run_dir(run):
         pass
-    (run / RUN_DIR_LOCK).write_text("pid 1 on a-host-that-died since yesterday\n")  # a holder that died: nothing holds the lock
+    (run / RUN_DIR_LOCK).write_text(
+        "pid 1 on a-host-that-died since yesterday\n"
+    )  # a holder that died: nothing holds the lock
     with hold_run_dir(run):
         assert f"pid {os.getpid()} on " in (run / RUN_DIR_LOCK).read_text()
 
@@ -442,7 +495,11 @@ def test_a_store_client_connects_once_its_server_listens(monkeypatch: pytest.Mon
     served: list[dist.TCPStore] = []
 
     def serve() -> None:
-        served.append(dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=datetime.timedelta(seconds=30), wait_for_workers=True))
+        served.append(
+            dist.TCPStore(
+                "127.0.0.1", port, 2, is_master=True, timeout=datetime.timedelta(seconds=30), wait_for_workers=True
+            )
+        )
         served[0].set("from rank 0", "hello")
 
     server = threading.Thread(target=serve)
@@ -478,11 +535,30 @@ def test_an_abort_cuts_only_the_connections_made_while_recording() -> None:
     assert connections.cut() == 1
     assert made.recv(1) == b"" and made_peer.recv(1) == b""  # shut down: both ends see the end of the stream
     to_listener = socket.create_connection(listener.getsockname())
-    for end, peer in [(before, before_peer), (reused, other_peer), (unix, unix_peer), (to_listener, listener.accept()[0])]:
+    for end, peer in [
+        (before, before_peer),
+        (reused, other_peer),
+        (unix, unix_peer),
+        (to_listener, listener.accept()[0]),
+    ]:
         end.sendall(b"x")
         assert peer.recv(1) == b"x"
     assert connections.cut() == 0  # each attempt's connections are cut once
-    for s in (server, before, made, listener, unix, unix_peer, before_peer, made_peer, gone_peer, other, reused, other_peer, to_listener):
+    for s in (
+        server,
+        before,
+        made,
+        listener,
+        unix,
+        unix_peer,
+        before_peer,
+        made_peer,
+        gone_peer,
+        other,
+        reused,
+        other_peer,
+        to_listener,
+    ):
         s.close()
 
 
@@ -496,7 +572,9 @@ def test_an_earlier_jobs_fatal_never_matches_a_new_job_with_the_same_pid(tmp_pat
 
     now = job_id()
     assert now == f"rfsdp-{os.getpid()}-{process_start_ticks()}"
-    EventLog(tmp_path, 0).emit(Fatal(error="earlier", job=f"rfsdp-{os.getpid()}-{process_start_ticks() - 100}"))  # same pid, earlier start
+    EventLog(tmp_path, 0).emit(
+        Fatal(error="earlier", job=f"rfsdp-{os.getpid()}-{process_start_ticks() - 100}")
+    )  # same pid, earlier start
     EventLog(tmp_path, 0).emit(Fatal(error="old format", job=f"rfsdp-{os.getpid()}"))  # an id of the old form
     assert fatal_error(read_events(tmp_path), now) is None
     EventLog(tmp_path, 1).emit(Fatal(error="this job", job=now))

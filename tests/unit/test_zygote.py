@@ -23,7 +23,12 @@ def test_a_request_carries_no_secret_and_the_rank_gets_them_from_the_zygote() ->
     }
     request = request_of(["--steps", "3"], env)
     assert request["env"] == {"RANK": "1"}
-    assert request["withheld"] == ["AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "MLFLOW_TRACKING_PASSWORD", "RFSDP_CHECKPOINT_KEY"]
+    assert request["withheld"] == [
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "MLFLOW_TRACKING_PASSWORD",
+        "RFSDP_CHECKPOINT_KEY",
+    ]
     assert "a" not in json.dumps(request["env"])
     zygote_env = {**env, "RANK": "0", "UNRELATED_KEY": "z"}
     req = Request(request["argv"], request["env"], request["withheld"], "/", 1, 0.0, [])

@@ -21,7 +21,13 @@ from trainer.checkpoint.checkpointer import (
     step_dir_name,
 )
 from trainer.checkpoint.load import load_tensors, read_full_state, read_rank_state
-from trainer.checkpoint.local_tier import LOCAL_TIER_ROOT, LOCAL_TIER_ROOT_ENV, local_tier_dir, local_tier_root, private_local_tier_root
+from trainer.checkpoint.local_tier import (
+    LOCAL_TIER_ROOT,
+    LOCAL_TIER_ROOT_ENV,
+    local_tier_dir,
+    local_tier_root,
+    private_local_tier_root,
+)
 from trainer.checkpoint.trust import (
     MANIFEST,
     SIGNING_KEY_ENV,
@@ -31,7 +37,13 @@ from trainer.checkpoint.trust import (
     rank_state_file,
     verify_checkpoint,
 )
-from trainer.checkpoint.writers import CheckpointWriteError, CheckpointWriter, SaveHooks, SyncDcpWriter, write_rank_checksums
+from trainer.checkpoint.writers import (
+    CheckpointWriteError,
+    CheckpointWriter,
+    SaveHooks,
+    SyncDcpWriter,
+    write_rank_checksums,
+)
 
 __all__ = [
     "CHECKPOINTS",

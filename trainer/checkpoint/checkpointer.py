@@ -219,7 +219,9 @@ class Checkpointer:
         chosen, refused = None, []
         for step, path in reversed(published):
             try:
-                open_checkpoint(path, fingerprint=self.fingerprint, world_size=self.world_size, checksums=True).metadata()
+                open_checkpoint(
+                    path, fingerprint=self.fingerprint, world_size=self.world_size, checksums=True
+                ).metadata()
             except CheckpointError as e:
                 refused.append((step, path, e))
                 continue
@@ -230,14 +232,17 @@ class Checkpointer:
             # progress (and the mirror's): refused, nothing set aside.
             return (
                 f"no checkpoint of this run could be verified ({kept[0]}): the run does not start over on top of them. "
-                f"Give it the key they were signed with (or let the storage recover), or move {self.root} aside to start over"
+                "Give it the key they were signed with (or let the storage recover), "
+                f"or move {self.root} aside to start over"
             )
         for step, path, e in refused:
             if _read_error(e):  # it may pass (a stale NFS handle, EIO): skipped now, kept in place
                 self.events.emit(RunWarning(kind="checkpoint_skipped", step=step, reason=f"{e} (left in place)"))
                 continue
             aside = self._set_aside(path)
-            self.events.emit(RunWarning(kind="checkpoint_skipped", step=step, reason=f"{e} (set aside as {aside.name})"))
+            self.events.emit(
+                RunWarning(kind="checkpoint_skipped", step=step, reason=f"{e} (set aside as {aside.name})")
+            )
         latest = latest_checkpoint(self.root.parent)
         if chosen is not None and (latest is None or latest.name != step_dir_name(chosen)):
             was = latest.name if latest else _latest_text(self.root)
@@ -252,7 +257,9 @@ class Checkpointer:
         path = self.root / step_dir_name(step)
         load(path)
         self.saved_step = step
-        if self.rank == 0 and self.on_published is not None:  # its upload may have been cut (the mirror skips what it has)
+        if (
+            self.rank == 0 and self.on_published is not None
+        ):  # its upload may have been cut (the mirror skips what it has)
             self.on_published(path)
 
     # ------------------------------------------------------------------ save
@@ -281,7 +288,9 @@ class Checkpointer:
         self.saved_step = saved[0]
         if self.saved_step != step:
             newest = f"step {self.saved_step}" if self.saved_step else "none"
-            raise CheckpointWriteError(f"the last checkpoint, of step {step}, was not saved (the newest published: {newest})")
+            raise CheckpointWriteError(
+                f"the last checkpoint, of step {step}, was not saved (the newest published: {newest})"
+            )
 
     def prepare(self, state: Callable[[], tuple[dict, dict]]) -> None:
         """Warm the writer up for this incarnation's saves (collective): :meth:`step` calls it
@@ -414,7 +423,10 @@ class Checkpointer:
         self.writer.abandon()
         self.pending = None
         what = f"the write of step {pending.step}" if pending is not None else "an earlier write"
-        error = f"checkpoint writer hung: {what} did not end within {bound:.0f} s of waiting (max(hang timeout, size / 20 MB/s))"
+        error = (
+            f"checkpoint writer hung: {what} did not end within {bound:.0f} s of waiting "
+            "(max(hang timeout, size / 20 MB/s))"
+        )
         if self.rank == 0:
             if pending is not None:
                 self.events.emit(CheckpointFailed(step=pending.step, mode=self.writer.mode, error=error))
@@ -462,7 +474,12 @@ class Checkpointer:
                 raise CheckpointError(f"rank {rank} did not finish its part of {tmp}")
             files.update(read_rank_checksums(path, tmp.name, rank))
         files[".metadata"] = {"size": (tmp / ".metadata").stat().st_size, "sha256": file_sha256(tmp / ".metadata")}
-        manifest = {"step": pending.step, "world_size": self.world_size, "fingerprint": self.fingerprint, "files": files}
+        manifest = {
+            "step": pending.step,
+            "world_size": self.world_size,
+            "fingerprint": self.fingerprint,
+            "files": files,
+        }
         if (key := signing_key()) is not None:
             manifest["signature"] = manifest_signature(manifest, key)
         atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))

@@ -14,7 +14,9 @@ import torch.distributed.checkpoint as dcp
 from trainer.checkpoint.trust import CheckpointError, open_checkpoint
 
 
-def load_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path, group: dist.ProcessGroup | None = None) -> None:
+def load_tensors(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path, group: dist.ProcessGroup | None = None
+) -> None:
     """Load a checkpoint's model and optimizer tensors into an FSDP model (DCP reshards to any
     world size), through :func:`open_checkpoint`: each rank verifies the manifest and every
     file it reads.

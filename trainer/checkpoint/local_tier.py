@@ -20,7 +20,9 @@ def local_tier_root() -> Path:
     ``/dev/shm/rfsdp-local-UID``): /dev/shm is shared by every user, and one user's folder must
     never be in another's way.
     """
-    return Path(os.environ.get(LOCAL_TIER_ROOT_ENV) or LOCAL_TIER_ROOT.with_name(f"{LOCAL_TIER_ROOT.name}-{os.geteuid()}"))
+    return Path(
+        os.environ.get(LOCAL_TIER_ROOT_ENV) or LOCAL_TIER_ROOT.with_name(f"{LOCAL_TIER_ROOT.name}-{os.geteuid()}")
+    )
 
 
 def private_local_tier_root() -> tuple[Path, str | None]:

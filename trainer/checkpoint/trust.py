@@ -79,7 +79,11 @@ def rank_checksums_signature(record: dict, directory_name: str, rank: int, key: 
 def sign_rank_checksums(record: dict, directory_name: str, rank: int) -> dict:
     """``record`` as a rank writes it: signed with the key, if one is set."""
     key = signing_key()
-    return record if key is None else {**record, _RANK_SIGNATURE: rank_checksums_signature(record, directory_name, rank, key)}
+    return (
+        record
+        if key is None
+        else {**record, _RANK_SIGNATURE: rank_checksums_signature(record, directory_name, rank, key)}
+    )
 
 
 def read_rank_checksums(path: Path, directory_name: str, rank: int) -> dict:
@@ -92,8 +96,12 @@ def read_rank_checksums(path: Path, directory_name: str, rank: int) -> dict:
         raise CheckpointError(f"{directory_name}: rank {rank}'s checksums are unreadable ({e})") from e
     signature = record.pop(_RANK_SIGNATURE, None) if isinstance(record, dict) else None
     key = signing_key()
-    if key is not None and not hmac.compare_digest(str(signature or ""), rank_checksums_signature(record, directory_name, rank, key)):
-        raise CheckpointError(f"{directory_name}: rank {rank}'s checksums are not signed with the key in ${SIGNING_KEY_ENV}")
+    if key is not None and not hmac.compare_digest(
+        str(signature or ""), rank_checksums_signature(record, directory_name, rank, key)
+    ):
+        raise CheckpointError(
+            f"{directory_name}: rank {rank}'s checksums are not signed with the key in ${SIGNING_KEY_ENV}"
+        )
     return record
 
 
@@ -107,7 +115,9 @@ def _plain_name(name: object) -> bool:
     return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
 
 
-def verify_checkpoint(path: Path, *, fingerprint: str | None = None, world_size: int | None = None, checksums: bool = True) -> dict:
+def verify_checkpoint(
+    path: Path, *, fingerprint: str | None = None, world_size: int | None = None, checksums: bool = True
+) -> dict:
     """Check a published checkpoint against its manifest; returns the manifest.
 
     Reads nothing but the manifest (JSON) and, with ``checksums``, hashes every file.
@@ -125,15 +135,20 @@ def verify_checkpoint(path: Path, *, fingerprint: str | None = None, world_size:
         raise CheckpointError(f"{path.name}: unreadable manifest ({e})") from e
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or not all(
-        isinstance(r, dict) and isinstance(r.get("size"), int) and isinstance(r.get("sha256"), str) for r in files.values()
+        isinstance(r, dict) and isinstance(r.get("size"), int) and isinstance(r.get("sha256"), str)
+        for r in files.values()
     ):
         raise CheckpointError(f"{path.name}: malformed manifest (no file list of sizes and checksums)")
     key = signing_key()
-    if key is not None and not hmac.compare_digest(str(manifest.get("signature", "")), manifest_signature(manifest, key)):
+    if key is not None and not hmac.compare_digest(
+        str(manifest.get("signature", "")), manifest_signature(manifest, key)
+    ):
         problem = "is not signed" if "signature" not in manifest else "has a signature that does not match"
         raise SignatureError(f"{path.name}: its manifest {problem} the key in ${SIGNING_KEY_ENV}")
     if (step := checkpoint_step(path)) is not None and manifest.get("step") != step:
-        raise CheckpointError(f"{path.name}: its manifest is of step {manifest.get('step')!r}, not {step} (copied or renamed)")
+        raise CheckpointError(
+            f"{path.name}: its manifest is of step {manifest.get('step')!r}, not {step} (copied or renamed)"
+        )
     if fingerprint is not None and manifest.get("fingerprint") != fingerprint:
         raise CheckpointError(f"{path.name}: written by another training config")
     if world_size is not None and manifest.get("world_size") != world_size:
@@ -166,7 +181,9 @@ def open_checkpoint(
     with ``checksums``), then a reader whose every file is checked again as it is read.
     """
     path = Path(path)
-    return VerifiedCheckpoint(path, verify_checkpoint(path, fingerprint=fingerprint, world_size=world_size, checksums=checksums))
+    return VerifiedCheckpoint(
+        path, verify_checkpoint(path, fingerprint=fingerprint, world_size=world_size, checksums=checksums)
+    )
 
 
 class VerifiedCheckpoint:
@@ -206,9 +223,15 @@ class VerifiedCheckpoint:
 
 # DCP's metadata: its own dataclasses, sizes, dtypes, layouts and the path it was saved at.
 _DCP_METADATA_CLASSES = (
-    "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
-    "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
-)  # fmt: skip
+    "Metadata",
+    "StorageMeta",
+    "MetadataIndex",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "TensorProperties",
+    "_MEM_FORMAT_ENCODING",
+)
 _METADATA_GLOBALS = frozenset(
     {("torch.distributed.checkpoint.metadata", n) for n in _DCP_METADATA_CLASSES}
     | {
@@ -226,7 +249,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> object:
         if (module, name) in _METADATA_GLOBALS:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype | torch.layout | torch.memory_format):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), torch.dtype | torch.layout | torch.memory_format
+        ):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
 
@@ -253,7 +278,9 @@ class _VerifiedFileSystem(FileSystem):
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
         path = Path(path)
         if "r" not in mode or any(c in mode for c in "wa+") or path.parent != self.checkpoint.path:
-            raise CheckpointError(f"{self.checkpoint.path.name}: DCP asked for {path} ({mode!r}), not a file of the checkpoint to read")
+            raise CheckpointError(
+                f"{self.checkpoint.path.name}: DCP asked for {path} ({mode!r}), not a file of the checkpoint to read"
+            )
         yield io.BytesIO(self.checkpoint.read_bytes(path.name))
 
 

@@ -36,9 +36,12 @@ def write_rank_checksums(directory: Path, rank: int, *, progress: Callable[[], N
     directory = Path(directory)
     names = [p.name for p in directory.glob(f"__{rank}_*.distcp")] + [rank_state_file(rank)]
     record = {
-        name: {"size": (directory / name).stat().st_size, "sha256": file_sha256(directory / name, progress=progress)} for name in names
+        name: {"size": (directory / name).stat().st_size, "sha256": file_sha256(directory / name, progress=progress)}
+        for name in names
     }
-    atomic_write_text(directory / f"checksums_rank{rank}.json", json.dumps(sign_rank_checksums(record, directory.name, rank)))
+    atomic_write_text(
+        directory / f"checksums_rank{rank}.json", json.dumps(sign_rank_checksums(record, directory.name, rank))
+    )
 
 
 def _no_phase_hook(phase: str) -> None:

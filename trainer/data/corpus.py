@@ -84,7 +84,8 @@ class Corpus:
             return
         if self.skipped and not self.documents:
             raise ParameterError(
-                "text_field", f"no record of {self.source} has a string field {self.text_field!r} ({self.skipped:,} records)"
+                "text_field",
+                f"no record of {self.source} has a string field {self.text_field!r} ({self.skipped:,} records)",
             )
         raise ParameterError("source", f"no text in {self.source}")
 

@@ -52,7 +52,9 @@ def decode(tokens: np.ndarray) -> str:
     return bytes(np.asarray(tokens, dtype=np.uint8)).decode("utf-8", errors="replace")
 
 
-def prepare_tokens(text: str, out_dir: Path, *, shard_tokens: int = 1 << 20, val_fraction: float = 0.05, source: str = "") -> dict:
+def prepare_tokens(
+    text: str, out_dir: Path, *, shard_tokens: int = 1 << 20, val_fraction: float = 0.05, source: str = ""
+) -> dict:
     """Tokenize ``text`` byte-level into train/val shards under ``out_dir`` and write the manifest.
 
     Args:
@@ -272,7 +274,10 @@ def load_split(data_dir: Path, split: str) -> np.ndarray:
     manifest = load_manifest(data_dir)
     if split not in manifest["splits"]:
         raise DataError(f"{data_dir} has no {split!r} split")
-    parts = [np.memmap(Path(data_dir) / s["file"], dtype=manifest["dtype"], mode="r") for s in manifest["splits"][split]["shards"]]
+    parts = [
+        np.memmap(Path(data_dir) / s["file"], dtype=manifest["dtype"], mode="r")
+        for s in manifest["splits"][split]["shards"]
+    ]
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 

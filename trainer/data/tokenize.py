@@ -86,17 +86,31 @@ def load_tokenizer(path: str, workdir: Path) -> Tokenizer:
         name = local.name if local.is_dir() else local.stem
         if local.is_file() and local.name == "tokenizer.json":
             name = local.resolve().parent.name
-    files = {n: local / n for n in TOKENIZER_FILES if (local / n).is_file()} if local.is_dir() else {"tokenizer.json": local}
+    files = (
+        {n: local / n for n in TOKENIZER_FILES if (local / n).is_file()}
+        if local.is_dir()
+        else {"tokenizer.json": local}
+    )
     if "tokenizer.json" not in files:
-        raise ParameterError("tokenizer", f"{path}: no tokenizer.json (give a Hugging Face tokenizer directory or its tokenizer.json)")
+        raise ParameterError(
+            "tokenizer", f"{path}: no tokenizer.json (give a Hugging Face tokenizer directory or its tokenizer.json)"
+        )
     from tokenizers import Tokenizer as HFTokenizer
 
     try:
         hf = HFTokenizer.from_file(str(files["tokenizer.json"]))
     except Exception as e:  # the Rust side raises a bare Exception
-        raise ParameterError("tokenizer", f"{path}: not a tokenizer.json the tokenizers library reads ({str(e)[:200]})") from None
+        raise ParameterError(
+            "tokenizer", f"{path}: not a tokenizer.json the tokenizers library reads ({str(e)[:200]})"
+        ) from None
     configs = [_read_json(files[n], path) for n in ("tokenizer_config.json", "special_tokens_map.json") if n in files]
-    return Tokenizer(name.removesuffix(".json") or "tokenizer", hf.get_vocab_size(with_added_tokens=True), _eos_id(hf, configs), hf, files)
+    return Tokenizer(
+        name.removesuffix(".json") or "tokenizer",
+        hf.get_vocab_size(with_added_tokens=True),
+        _eos_id(hf, configs),
+        hf,
+        files,
+    )
 
 
 def _fetch_remote(uri: str, dest: Path) -> Path:
@@ -146,7 +160,8 @@ def check_train_vocab(vocab_size: int) -> None:
     least = 256 + 1
     if not least <= vocab_size <= MAX_TRAIN_VOCAB:
         raise ParameterError(
-            "train_tokenizer", f"vocabulary size must be in [{least}, {MAX_TRAIN_VOCAB:,}] (256 bytes + {TRAINED_EOS}), got {vocab_size}"
+            "train_tokenizer",
+            f"vocabulary size must be in [{least}, {MAX_TRAIN_VOCAB:,}] (256 bytes + {TRAINED_EOS}), got {vocab_size}",
         )
 
 
@@ -162,7 +177,10 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: Path) -> Tokenizer
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[TRAINED_EOS], show_progress=False
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[TRAINED_EOS],
+        show_progress=False,
     )
     hf.train_from_iterator(texts, trainer=trainer)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,9 @@ _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 def load_crd(crd_file: Path = CRD_FILE) -> dict:
     """The vendored CustomResourceDefinition."""
-    return next(d for d in yaml.safe_load_all(crd_file.read_text()) if d and d.get("kind") == "CustomResourceDefinition")
+    return next(
+        d for d in yaml.safe_load_all(crd_file.read_text()) if d and d.get("kind") == "CustomResourceDefinition"
+    )
 
 
 class CrdSchema:
@@ -56,13 +58,22 @@ class CrdSchema:
         if unknown and field_validation == "Strict":
             listed = ", ".join(f'unknown field "{u}"' for u in unknown)
             raise ApiError(
-                400, "BadRequest", f'{KIND} in version "{VERSION}" cannot be handled as a {KIND}: strict decoding error: {listed}'
+                400,
+                "BadRequest",
+                f'{KIND} in version "{VERSION}" cannot be handled as a {KIND}: strict decoding error: {listed}',
             )
-        errors = sorted(self.validator.iter_errors({k: v for k, v in obj.items() if k != "metadata"}), key=lambda e: list(e.absolute_path))
+        errors = sorted(
+            self.validator.iter_errors({k: v for k, v in obj.items() if k != "metadata"}),
+            key=lambda e: list(e.absolute_path),
+        )
         if errors:
-            causes = [{"reason": "FieldValueInvalid", "message": e.message, "field": _field_path(e.absolute_path)} for e in errors]
+            causes = [
+                {"reason": "FieldValueInvalid", "message": e.message, "field": _field_path(e.absolute_path)}
+                for e in errors
+            ]
             text = "; ".join(
-                f"{c['field']}: Invalid value: {json.dumps(e.instance)}: {c['message']}" for c, e in zip(causes, errors, strict=True)
+                f"{c['field']}: Invalid value: {json.dumps(e.instance)}: {c['message']}"
+                for c, e in zip(causes, errors, strict=True)
             )
             name = obj.get("metadata", {}).get("name", "")
             raise ApiError(
@@ -124,7 +135,10 @@ def webhook_violations(job: dict) -> list[str]:
     out = []
     name = job["metadata"].get("name", "")
     if len(name) > 63 or not _DNS_1035.match(name):
-        out.append(f"metadata.name: Invalid value: {name!r}: a DNS-1035 label must consist of lower case alphanumeric characters or '-'")
+        out.append(
+            f"metadata.name: Invalid value: {name!r}: a DNS-1035 label "
+            "must consist of lower case alphanumeric characters or '-'"
+        )
     spec = job.get("spec", {})
     replicas = spec.get("pytorchReplicaSpecs") or {}
     if not replicas:
@@ -134,7 +148,10 @@ def webhook_violations(job: dict) -> list[str]:
             out.append(f'spec.pytorchReplicaSpecs: Unsupported value: "{rtype}": supported values: "Master", "Worker"')
         containers = replica.get("template", {}).get("spec", {}).get("containers") or []
         if not any(c.get("name") == "pytorch" for c in containers):
-            out.append(f"spec.pytorchReplicaSpecs[{rtype}].template.spec.containers: Required value: There is no container named pytorch")
+            out.append(
+                f"spec.pytorchReplicaSpecs[{rtype}].template.spec.containers: Required value: "
+                "There is no container named pytorch"
+            )
     if "Master" in replicas and replicas["Master"].get("replicas", 1) != 1:
         out.append("spec.pytorchReplicaSpecs[Master].replicas: Forbidden: must be 1")
     elastic = spec.get("elasticPolicy")

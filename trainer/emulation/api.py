@@ -124,7 +124,14 @@ def _split_selector(selector: str) -> Iterator[str]:
 
 # ------------------------------------------------------------------ field selectors
 _FIELDS = {
-    "pods": {"spec.nodeName", "spec.restartPolicy", "spec.schedulerName", "spec.serviceAccountName", "status.phase", "status.podIP"},
+    "pods": {
+        "spec.nodeName",
+        "spec.restartPolicy",
+        "spec.schedulerName",
+        "spec.serviceAccountName",
+        "status.phase",
+        "status.podIP",
+    },
     "events": {
         "involvedObject.kind",
         "involvedObject.namespace",

@@ -64,9 +64,27 @@ from trainer.emulation.rbac import PROTOBUF, Rbac, Request, forbidden, review_fr
 from trainer.emulation.tables import wants_table
 
 __all__ = [  # what the cluster, the operator and the tests import from here
-    "ADMIN", "CRD_FILE", "GROUP", "KIND", "PLURAL", "RBAC_FILE", "VERSION", "ApiError", "ApiServer", "Audited", "CrdSchema",
-    "Handlers", "Rbac", "Request", "Store", "new_metadata", "not_found", "now_rfc3339", "selector_matches", "webhook_violations",
-]  # fmt: skip
+    "ADMIN",
+    "CRD_FILE",
+    "GROUP",
+    "KIND",
+    "PLURAL",
+    "RBAC_FILE",
+    "VERSION",
+    "ApiError",
+    "ApiServer",
+    "Audited",
+    "CrdSchema",
+    "Handlers",
+    "Rbac",
+    "Request",
+    "Store",
+    "new_metadata",
+    "not_found",
+    "now_rfc3339",
+    "selector_matches",
+    "webhook_violations",
+]
 
 _PATH = re.compile(
     r"^/(?:api/(?P<core>v1)|apis/(?P<group>[a-z0-9.-]+)/(?P<version>v[0-9a-z]+))(?:/namespaces/(?P<ns>[^/]+))?/(?P<resource>[a-z]+)"
@@ -90,7 +108,9 @@ class Audited:
 class ApiServer:
     """The HTTPS front of the emulated cluster; ``handlers`` supplies what happens on each verb."""
 
-    def __init__(self, store: Store, rbac: Rbac, tokens: dict[str, str], handlers: Handlers, tls: ssl.SSLContext) -> None:
+    def __init__(
+        self, store: Store, rbac: Rbac, tokens: dict[str, str], handlers: Handlers, tls: ssl.SSLContext
+    ) -> None:
         self.store, self.rbac, self.tokens, self.handlers = store, rbac, tokens, handlers
         self.audit: list[Audited] = []
         self.stopping = threading.Event()
@@ -162,7 +182,9 @@ class ApiServer:
                 h.close_connection = True
                 return
             error = ApiError(
-                500, "InternalError", f"an error on the server ({type(e).__name__}: {e}) has prevented the request from succeeding"
+                500,
+                "InternalError",
+                f"an error on the server ({type(e).__name__}: {e}) has prevented the request from succeeding",
             )
             with contextlib.suppress(OSError):
                 self._send(h, 500, error.status())
@@ -193,7 +215,13 @@ class ApiServer:
             m = _PATH.match(path)
             if not m:
                 raise ApiError(404, "NotFound", "the server could not find the requested resource")
-            group, resource, ns, name, sub = m["group"] or "", m["resource"], m["ns"] or "", m["name"] or "", m["sub"] or ""
+            group, resource, ns, name, sub = (
+                m["group"] or "",
+                m["resource"],
+                m["ns"] or "",
+                m["name"] or "",
+                m["sub"] or "",
+            )
             served = self.discovery.find(group, resource)
             if (
                 served is None
@@ -213,7 +241,9 @@ class ApiServer:
                 raise forbidden(req)
             body = self._body(raw, h.headers.get("Content-Type") or "application/json")
             if body is not None and not isinstance(body, dict) and verb != "patch":
-                raise ApiError(400, "BadRequest", f"the body of the request must be an object, not {type(body).__name__}")
+                raise ApiError(
+                    400, "BadRequest", f"the body of the request must be an object, not {type(body).__name__}"
+                )
             if req.resource == "pods/log":
                 self._audit(req, 200)
                 self._stream_log(h, ns, name, query)
@@ -222,7 +252,9 @@ class ApiServer:
                 self._audit(req, 200)
                 self._watch(h, resource, ns, query, accept)
                 return
-            code, out, headers = self.handlers.handle(req, query, body, accept=accept, content_type=h.headers.get("Content-Type") or "")
+            code, out, headers = self.handlers.handle(
+                req, query, body, accept=accept, content_type=h.headers.get("Content-Type") or ""
+            )
             self._audit(req, code)
             self._send(h, code, out, headers)
         except ApiError as e:
@@ -261,7 +293,9 @@ class ApiServer:
         self._send_raw(h, code, json.dumps(body).encode(), content_type, headers)
 
     @staticmethod
-    def _send_raw(h: BaseHTTPRequestHandler, code: int, data: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
+    def _send_raw(
+        h: BaseHTTPRequestHandler, code: int, data: bytes, content_type: str, headers: dict[str, str] | None = None
+    ) -> None:
         h.sent = True  # type: ignore[attr-defined]
         h.send_response(code)
         h.send_header("Content-Type", content_type)
@@ -285,7 +319,9 @@ class ApiServer:
         h.wfile.flush()
 
     # ------------------------------------------------------------ streams
-    def _watch(self, h: BaseHTTPRequestHandler, resource: str, namespace: str, query: dict[str, str], accept: str) -> None:
+    def _watch(
+        self, h: BaseHTTPRequestHandler, resource: str, namespace: str, query: dict[str, str], accept: str
+    ) -> None:
         """Stream the changes of a resource from a resourceVersion, as watch events (one JSON
         object a line); a version no longer kept is an ``ERROR`` event with ``410 Expired``.
         """
@@ -350,7 +386,9 @@ class ApiServer:
         """A container's log: all of it (or its last ``tailLines``), or (``follow``) as it grows
         until the container ends.
         """
-        log, running = self.handlers.log_source(ns, name, query.get("container", ""), previous=flag(query.get("previous")))
+        log, running = self.handlers.log_source(
+            ns, name, query.get("container", ""), previous=flag(query.get("previous"))
+        )
         follow = flag(query.get("follow"))
         tail = int(query["tailLines"]) if query.get("tailLines", "").lstrip("-").isdigit() else None
         if not follow:

@@ -123,7 +123,9 @@ def emulated_cluster(
         restart_backoff_s,
         kubelet=kubelet,
     )
-    handlers = Handlers(store, CrdSchema(), delete_pod=controllers.delete_pod, log_source=controllers.log_source, rbac=rbac)
+    handlers = Handlers(
+        store, CrdSchema(), delete_pod=controllers.delete_pod, log_source=controllers.log_source, rbac=rbac
+    )
     pki = make_pki(root / "pki")
     server = ApiServer(store, rbac, tokens, handlers, pki.server_context())
     token_of = {who: token for token, who in tokens.items()}
@@ -132,7 +134,9 @@ def emulated_cluster(
         url=server.url,
         namespace=namespace,
         kubeconfig=_write_kubeconfig(root / "kubeconfig", server.url, ca, namespace, user, token_of[user]),
-        admin_kubeconfig=_write_kubeconfig(root / "admin.kubeconfig", server.url, ca, namespace, ADMIN, token_of[ADMIN]),
+        admin_kubeconfig=_write_kubeconfig(
+            root / "admin.kubeconfig", server.url, ca, namespace, ADMIN, token_of[ADMIN]
+        ),
         service_account=user,
         store=store,
         audit=server.audit,

@@ -28,7 +28,13 @@ def _check(result: int, what: str) -> None:
 
 def _mount(source: str, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
     _check(
-        _libc.mount(source.encode(), target.encode(), fstype.encode() if fstype else None, flags, data.encode() if data else None),
+        _libc.mount(
+            source.encode(),
+            target.encode(),
+            fstype.encode() if fstype else None,
+            flags,
+            data.encode() if data else None,
+        ),
         f"mount {source} on {target}",
     )
 

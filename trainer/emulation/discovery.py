@@ -62,17 +62,32 @@ def resources(crd: CrdSchema) -> list[Resource]:
     """Everything the emulated server serves."""
     names = crd.names
     return [
-        Resource("", "pods", "Pod", ("delete", "get", "list", "watch"), short=("po",), categories=("all",),
-                 subresources={"log": ("get",), "status": ("get",)}),
+        Resource(
+            "",
+            "pods",
+            "Pod",
+            ("delete", "get", "list", "watch"),
+            short=("po",),
+            categories=("all",),
+            subresources={"log": ("get",), "status": ("get",)},
+        ),
         Resource("", "events", "Event", ("create", "get", "list", "watch"), short=("ev",)),
-        Resource(GROUP, PLURAL, KIND, ("create", "delete", "get", "list", "patch", "watch"), short=tuple(names.get("shortNames") or ()),
-                 categories=tuple(names.get("categories") or ()), subresources={"status": ("get",)}, version=VERSION),
+        Resource(
+            GROUP,
+            PLURAL,
+            KIND,
+            ("create", "delete", "get", "list", "patch", "watch"),
+            short=tuple(names.get("shortNames") or ()),
+            categories=tuple(names.get("categories") or ()),
+            subresources={"status": ("get",)},
+            version=VERSION,
+        ),
         Resource("", "serviceaccounts", "ServiceAccount", PLAIN_VERBS, short=("sa",)),
         Resource(RBAC, "roles", "Role", PLAIN_VERBS),
         Resource(RBAC, "rolebindings", "RoleBinding", PLAIN_VERBS),
         Resource(AUTHZ, "selfsubjectaccessreviews", "SelfSubjectAccessReview", ("create",), namespaced=False),
         Resource(AUTHZ, "subjectaccessreviews", "SubjectAccessReview", ("create",), namespaced=False),
-    ]  # fmt: skip
+    ]
 
 
 class Discovery:
@@ -84,22 +99,33 @@ class Discovery:
         self.groups = sorted({r.group for r in self.served if r.group})
         self.openapi = {gv: self._openapi(gv) for gv in {r.group_version for r in self.served}}
         self.hashes = {
-            gv: hashlib.sha512(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:64].upper() for gv, doc in self.openapi.items()
+            gv: hashlib.sha512(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:64].upper()
+            for gv, doc in self.openapi.items()
         }
 
     def document(self, path: str, accept: str) -> tuple[object, str] | None:
         """The document at ``path`` and its content type, for a client that accepts ``accept``."""
         path = path.rstrip("/") or "/"
-        aggregated = any({"g=apidiscovery.k8s.io", "v=v2"} <= {p.strip() for p in part.split(";")} for part in accept.split(","))
+        aggregated = any(
+            {"g=apidiscovery.k8s.io", "v=v2"} <= {p.strip() for p in part.split(";")} for part in accept.split(",")
+        )
         if path == "/version":
             return SERVER_VERSION, "application/json"
         if path in ("/api", "/apis") and aggregated:
             return self._aggregated(core=path == "/api"), AGGREGATED
         if path == "/api":
             address = [{"clientCIDR": "0.0.0.0/0", "serverAddress": self.address}]
-            return {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": address}, "application/json"
+            return {
+                "kind": "APIVersions",
+                "versions": ["v1"],
+                "serverAddressByClientCIDRs": address,
+            }, "application/json"
         if path == "/apis":
-            return {"kind": "APIGroupList", "apiVersion": "v1", "groups": [self._group(g) for g in self.groups]}, "application/json"
+            return {
+                "kind": "APIGroupList",
+                "apiVersion": "v1",
+                "groups": [self._group(g) for g in self.groups],
+            }, "application/json"
         if path == "/api/v1":
             return self._resource_list("", "v1"), "application/json"
         parts = path.split("/")
@@ -136,7 +162,12 @@ class Discovery:
         for r in self.served:
             if r.group != group or r.version != version:
                 continue
-            entry: dict[str, Any] = {"name": r.plural, "singularName": r.singular, "namespaced": r.namespaced, "kind": r.kind}
+            entry: dict[str, Any] = {
+                "name": r.plural,
+                "singularName": r.singular,
+                "namespaced": r.namespaced,
+                "kind": r.kind,
+            }
             entry["verbs"] = list(r.verbs)
             if r.short:
                 entry["shortNames"] = list(r.short)
@@ -144,7 +175,13 @@ class Discovery:
                 entry["categories"] = list(r.categories)
             out.append(entry)
             out += [
-                {"name": f"{r.plural}/{sub}", "singularName": "", "namespaced": r.namespaced, "kind": r.kind, "verbs": list(verbs)}
+                {
+                    "name": f"{r.plural}/{sub}",
+                    "singularName": "",
+                    "namespaced": r.namespaced,
+                    "kind": r.kind,
+                    "verbs": list(verbs),
+                }
                 for sub, verbs in r.subresources.items()
             ]
         gv = f"{group}/{version}" if group else version
@@ -158,7 +195,11 @@ class Discovery:
             entries = []
             for r in served:
                 kind = {"group": r.group, "version": r.version, "kind": r.kind}
-                entry: dict[str, Any] = {"resource": r.plural, "responseKind": kind, "scope": "Namespaced" if r.namespaced else "Cluster"}
+                entry: dict[str, Any] = {
+                    "resource": r.plural,
+                    "responseKind": kind,
+                    "scope": "Namespaced" if r.namespaced else "Cluster",
+                }
                 entry.update(singularResource=r.singular, verbs=list(r.verbs))
                 if r.short:
                     entry["shortNames"] = list(r.short)
@@ -166,7 +207,8 @@ class Discovery:
                     entry["categories"] = list(r.categories)
                 if r.subresources:
                     entry["subresources"] = [
-                        {"subresource": sub, "responseKind": kind, "verbs": list(verbs)} for sub, verbs in r.subresources.items()
+                        {"subresource": sub, "responseKind": kind, "verbs": list(verbs)}
+                        for sub, verbs in r.subresources.items()
                     ]
                 entries.append(entry)
             version = {"version": served[0].version, "resources": entries, "freshness": "Current"}
@@ -182,8 +224,14 @@ class Discovery:
             name = _schema_name(r)
             schemas[name] = self._schema(r) | {"x-kubernetes-group-version-kind": [gvk]}
             ref = {"$ref": f"#/components/schemas/{name}"}
-            prefix = f"/{'apis' if r.group else 'api'}/{r.group_version}" + ("/namespaces/{namespace}" if r.namespaced else "")
-            params = [{"name": "namespace", "in": "path", "required": True, "schema": {"type": "string"}}] if r.namespaced else []
+            prefix = f"/{'apis' if r.group else 'api'}/{r.group_version}" + (
+                "/namespaces/{namespace}" if r.namespaced else ""
+            )
+            params = (
+                [{"name": "namespace", "in": "path", "required": True, "schema": {"type": "string"}}]
+                if r.namespaced
+                else []
+            )
             item_params = [*params, {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}]
             collection: dict[str, Any] = {"parameters": params}
             item: dict[str, Any] = {"parameters": item_params}
@@ -197,7 +245,14 @@ class Discovery:
                 if verb in ("create", "patch"):
                     op["parameters"] = [_query(q) for q in ("dryRun", "fieldManager", "fieldValidation")]
                     op["requestBody"] = {"content": {"application/json": {"schema": ref}}}
-                method = {"create": "post", "list": "get", "watch": None, "delete": "delete", "get": "get", "patch": "patch"}[verb]
+                method = {
+                    "create": "post",
+                    "list": "get",
+                    "watch": None,
+                    "delete": "delete",
+                    "get": "get",
+                    "patch": "patch",
+                }[verb]
                 if method:
                     (collection if verb in ("create", "list") else item)[method] = op
             paths[f"{prefix}/{r.plural}"] = collection
@@ -213,8 +268,14 @@ class Discovery:
         if r.kind == KIND:
             return copy.deepcopy(self.crd.schema)
         base = {
-            "apiVersion": {"type": "string", "description": "APIVersion defines the versioned schema of this representation of an object."},
-            "kind": {"type": "string", "description": "Kind is a string value representing the REST resource this object represents."},
+            "apiVersion": {
+                "type": "string",
+                "description": "APIVersion defines the versioned schema of this representation of an object.",
+            },
+            "kind": {
+                "type": "string",
+                "description": "Kind is a string value representing the REST resource this object represents.",
+            },
             "metadata": {"type": "object", "description": "Standard object's metadata."},
         }
         return {

@@ -28,7 +28,10 @@ class Recorder:
         key = (meta["uid"], field_path, kind, reason, message, component)
         now = now_rfc3339()
         seen = self._seen.get(key)
-        if seen is not None and self.store.get("events", seen["metadata"]["namespace"], seen["metadata"]["name"]) is seen:
+        if (
+            seen is not None
+            and self.store.get("events", seen["metadata"]["namespace"], seen["metadata"]["name"]) is seen
+        ):
             seen["count"] += 1
             seen["lastTimestamp"] = now
             self.store.touch(seen)

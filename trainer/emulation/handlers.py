@@ -51,10 +51,22 @@ class Handlers:
         log_source: Callable[..., tuple[Path, Callable[[], bool]]],
         rbac: Rbac | None = None,
     ) -> None:
-        self.store, self.schema, self.delete_pod, self.log_source, self.rbac = store, schema, delete_pod, log_source, rbac
+        self.store, self.schema, self.delete_pod, self.log_source, self.rbac = (
+            store,
+            schema,
+            delete_pod,
+            log_source,
+            rbac,
+        )
 
     def handle(
-        self, req: Request, query: dict[str, str], body: dict | None, *, accept: str = "", content_type: str = "application/json"
+        self,
+        req: Request,
+        query: dict[str, str],
+        body: dict | None,
+        *,
+        accept: str = "",
+        content_type: str = "application/json",
     ) -> Result:
         """Answer one authorized request: (code, body, extra headers); the body is a copy, made
         under the store's lock (the controllers change stored objects in place).
@@ -75,7 +87,9 @@ class Handlers:
             and field_matches(query.get("fieldSelector", ""), resource, obj)
         )
 
-    def render(self, resource: str, objects: list[dict], query: dict[str, str], accept: str, *, headers: bool = True) -> dict:
+    def render(
+        self, resource: str, objects: list[dict], query: dict[str, str], accept: str, *, headers: bool = True
+    ) -> dict:
         """A list of objects as the client asked for it: a Table or a ``KindList``."""
         if wants_table(accept):
             return table(
@@ -87,14 +101,28 @@ class Handlers:
                 headers=headers,
             )
         api_version, kind = _KINDS.get(resource, ("v1", "List"))
-        return {"kind": f"{kind}List", "apiVersion": api_version, "metadata": {"resourceVersion": self.store.version()}, "items": objects}
+        return {
+            "kind": f"{kind}List",
+            "apiVersion": api_version,
+            "metadata": {"resourceVersion": self.store.version()},
+            "items": objects,
+        }
 
     def _handle(
-        self, req: Request, resource: str, sub: str, query: dict[str, str], body: dict | None, accept: str, content_type: str
+        self,
+        req: Request,
+        resource: str,
+        sub: str,
+        query: dict[str, str],
+        body: dict | None,
+        accept: str,
+        content_type: str,
     ) -> Result:
         if req.verb == "create" and not sub:
             if resource == PLURAL:
-                return self._create_job(req.namespace, body or {}, query.get("fieldValidation", "Warn"), query.get("dryRun") == "All")
+                return self._create_job(
+                    req.namespace, body or {}, query.get("fieldValidation", "Warn"), query.get("dryRun") == "All"
+                )
             if resource == "events":
                 return self._create_event(req.namespace, body or {})
             if resource in PLAIN:
@@ -108,7 +136,11 @@ class Handlers:
                 raise not_found(resource, req.name)
             return 200, (self.render(resource, [obj], query, accept) if wants_table(accept) else obj), {}
         if req.verb == "list":
-            items = [o for o in self.store.items(resource, req.namespace or None) if self.matches(resource, req.namespace, query, o)]
+            items = [
+                o
+                for o in self.store.items(resource, req.namespace or None)
+                if self.matches(resource, req.namespace, query, o)
+            ]
             return 200, self.render(resource, items, query, accept), {}
         if req.verb == "patch" and resource == PLURAL and not sub:
             return self._patch_job(req, body, query, content_type)
@@ -120,30 +152,45 @@ class Handlers:
 
     def _create_job(self, namespace: str, body: dict, field_validation: str, dry_run: bool = False) -> Result:
         if field_validation not in ("Ignore", "Warn", "Strict"):
-            raise ApiError(400, "BadRequest", f"invalid fieldValidation {field_validation!r}: must be Ignore, Warn or Strict")
+            raise ApiError(
+                400, "BadRequest", f"invalid fieldValidation {field_validation!r}: must be Ignore, Warn or Strict"
+            )
         if body.get("apiVersion") != f"{GROUP}/{VERSION}" or body.get("kind") != KIND:
             raise ApiError(
                 400,
                 "BadRequest",
-                f"the API version in the data ({body.get('apiVersion')}) does not match the expected API version ({GROUP}/{VERSION})",
+                f"the API version in the data ({body.get('apiVersion')}) does not match "
+                f"the expected API version ({GROUP}/{VERSION})",
             )
         obj = copy.deepcopy(body)
         meta = obj.get("metadata") or {}
         if not isinstance(meta, dict):
-            raise ApiError(400, "BadRequest", f'{KIND} in version "{VERSION}" cannot be handled as a {KIND}: metadata must be an object')
+            raise ApiError(
+                400,
+                "BadRequest",
+                f'{KIND} in version "{VERSION}" cannot be handled as a {KIND}: metadata must be an object',
+            )
         if meta.get("namespace", namespace) != namespace:
-            raise ApiError(400, "BadRequest", "the namespace of the provided object does not match the namespace sent on the request")
+            raise ApiError(
+                400,
+                "BadRequest",
+                "the namespace of the provided object does not match the namespace sent on the request",
+            )
         name = meta.get("name", "")
         if not name or len(name) > 253 or not _DNS_1123_SUBDOMAIN.match(name):
             raise ApiError(
                 422,
                 "Invalid",
-                f'{KIND}.{GROUP} "{name}" is invalid: metadata.name: Invalid value: "{name}": a lowercase RFC 1123 subdomain is required',
+                f'{KIND}.{GROUP} "{name}" is invalid: metadata.name: Invalid value: '
+                f'"{name}": a lowercase RFC 1123 subdomain is required',
             )
         warnings = self._admit(obj, meta, field_validation)
         if self.store.get(PLURAL, namespace, name) is not None:
             raise ApiError(
-                409, "AlreadyExists", f'{PLURAL}.{GROUP} "{name}" already exists', {"name": name, "group": GROUP, "kind": PLURAL}
+                409,
+                "AlreadyExists",
+                f'{PLURAL}.{GROUP} "{name}" already exists',
+                {"name": name, "group": GROUP, "kind": PLURAL},
             )
         obj["metadata"] = new_metadata(meta, namespace)
         obj.pop("status", None)  # the status subresource: only the operator writes it
@@ -157,7 +204,9 @@ class Handlers:
         if unknown_meta and field_validation == "Strict":
             listed = ", ".join(f'unknown field "metadata.{k}"' for k in unknown_meta)
             raise ApiError(
-                400, "BadRequest", f'{KIND} in version "{VERSION}" cannot be handled as a {KIND}: strict decoding error: {listed}'
+                400,
+                "BadRequest",
+                f'{KIND} in version "{VERSION}" cannot be handled as a {KIND}: strict decoding error: {listed}',
             )
         warnings += [f'unknown field "metadata.{k}"' for k in unknown_meta] if field_validation != "Ignore" else []
         if violations := webhook_violations(obj):
@@ -177,9 +226,15 @@ class Handlers:
         if media != "application/merge-patch+json":
             accepted = ", ".join(_PATCH_TYPES)
             if media in _PATCH_TYPES:
-                raise ApiError(415, "UnsupportedMediaType", f"{media} patches are not emulated; accepted: application/merge-patch+json")
+                raise ApiError(
+                    415,
+                    "UnsupportedMediaType",
+                    f"{media} patches are not emulated; accepted: application/merge-patch+json",
+                )
             raise ApiError(
-                415, "UnsupportedMediaType", f"the body of the request was in an unknown format - accepted media types include: {accepted}"
+                415,
+                "UnsupportedMediaType",
+                f"the body of the request was in an unknown format - accepted media types include: {accepted}",
             )
         current = self.store.get(PLURAL, req.namespace, req.name)
         if current is None:
@@ -218,21 +273,29 @@ class Handlers:
             raise ApiError(
                 400,
                 "BadRequest",
-                f"the API version in the data ({body.get('apiVersion')}) does not match the expected API version ({api_version})",
+                f"the API version in the data ({body.get('apiVersion')}) does not match "
+                f"the expected API version ({api_version})",
             )
         obj = copy.deepcopy(body)
         meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
         name = meta.get("name", "")
         if meta.get("namespace", namespace) != namespace:
-            raise ApiError(400, "BadRequest", "the namespace of the provided object does not match the namespace sent on the request")
+            raise ApiError(
+                400,
+                "BadRequest",
+                "the namespace of the provided object does not match the namespace sent on the request",
+            )
         if not name or len(name) > 253 or not _DNS_1123_SUBDOMAIN.match(name):
             raise ApiError(
                 422,
                 "Invalid",
-                f'{kind} "{name}" is invalid: metadata.name: Invalid value: "{name}": a lowercase RFC 1123 subdomain is required',
+                f'{kind} "{name}" is invalid: metadata.name: Invalid value: '
+                f'"{name}": a lowercase RFC 1123 subdomain is required',
             )
         if self.store.get(resource, namespace, name) is not None:
-            raise ApiError(409, "AlreadyExists", f'{resource} "{name}" already exists', {"name": name, "kind": resource})
+            raise ApiError(
+                409, "AlreadyExists", f'{resource} "{name}" already exists', {"name": name, "kind": resource}
+            )
         obj["metadata"] = new_metadata(meta, namespace)
         return 201, obj if dry_run else self.store.put(resource, obj), {}
 
@@ -242,7 +305,9 @@ class Handlers:
         """
         media = content_type.split(";")[0].strip()
         if media not in ("application/merge-patch+json", "application/strategic-merge-patch+json"):
-            raise ApiError(415, "UnsupportedMediaType", f"{media} patches are not emulated; send a merge or strategic merge patch")
+            raise ApiError(
+                415, "UnsupportedMediaType", f"{media} patches are not emulated; send a merge or strategic merge patch"
+            )
         current = self.store.get(resource, req.namespace, req.name)
         if current is None:
             raise not_found(resource, req.name)
@@ -251,7 +316,10 @@ class Handlers:
         patched = merge_patch(current, _without_directives(body))
         meta = patched.get("metadata") if isinstance(patched.get("metadata"), dict) else {}
         kept = {k: v for k, v in meta.items() if k in META_FIELDS - {"name", "namespace"}}
-        patched["metadata"] = {**{k: v for k, v in current["metadata"].items() if k not in META_FIELDS - {"name", "namespace"}}, **kept}
+        patched["metadata"] = {
+            **{k: v for k, v in current["metadata"].items() if k not in META_FIELDS - {"name", "namespace"}},
+            **kept,
+        }
         patched["apiVersion"], patched["kind"] = PLAIN[resource]
         if query.get("dryRun") == "All":
             return 200, patched, {}
@@ -268,7 +336,12 @@ class Handlers:
         if not meta.get("name"):
             meta["name"] = f"{meta.get('generateName', 'event.')}{uuid.uuid4().hex[:5]}"
         if self.store.get("events", namespace, meta["name"]) is not None:
-            raise ApiError(409, "AlreadyExists", f'events "{meta["name"]}" already exists', {"name": meta["name"], "kind": "events"})
+            raise ApiError(
+                409,
+                "AlreadyExists",
+                f'events "{meta["name"]}" already exists',
+                {"name": meta["name"], "kind": "events"},
+            )
         obj["metadata"] = new_metadata(meta, namespace)
         return 201, self.store.put("events", obj), {}
 
@@ -278,7 +351,9 @@ class Handlers:
             raise not_found(resource, name)
         policy = body.get("propagationPolicy") or query.get("propagationPolicy") or "Background"
         if policy not in ("Background", "Foreground", "Orphan"):
-            raise ApiError(400, "BadRequest", f"propagationPolicy {policy!r} is not one of Background, Foreground, Orphan")
+            raise ApiError(
+                400, "BadRequest", f"propagationPolicy {policy!r} is not one of Background, Foreground, Orphan"
+            )
         grace = body.get("gracePeriodSeconds", query.get("gracePeriodSeconds"))
         meta = obj["metadata"]
         if resource == "pods":

@@ -10,8 +10,8 @@ one job in one network namespace of its own. It restarts a container per the pod
 (a signal ``N`` is ``128+N``) and restart counts, and deletes a pod gracefully: SIGTERM to the
 container's process, SIGKILL to everything left after ``terminationGracePeriodSeconds``; the pod
 then shows its terminal phase (Succeeded for exit code 0, else Failed, as Kubernetes 1.27+ does)
-for one sync of the controllers, and is gone. It records the kubelet's Events (Pulled, Created, Started, BackOff, Killing,
-FailedMount) and the scheduler's (Scheduled, FailedScheduling).
+for one sync of the controllers, and is gone. It records the kubelet's Events (Pulled, Created,
+Started, BackOff, Killing, FailedMount) and the scheduler's (Scheduled, FailedScheduling).
 """
 
 from __future__ import annotations
@@ -78,10 +78,14 @@ class Kubelet:
         meta = pod["metadata"]
         if "deletionTimestamp" not in meta:
             meta["deletionTimestamp"] = now_rfc3339()
-            meta["deletionGracePeriodSeconds"] = grace if grace is not None else pod["spec"].get("terminationGracePeriodSeconds", 30)
+            meta["deletionGracePeriodSeconds"] = (
+                grace if grace is not None else pod["spec"].get("terminationGracePeriodSeconds", 30)
+            )
             self.store.touch(pod)
 
-    def log_source(self, namespace: str, name: str, container: str, *, previous: bool) -> tuple[Path, Callable[[], bool]]:
+    def log_source(
+        self, namespace: str, name: str, container: str, *, previous: bool
+    ) -> tuple[Path, Callable[[], bool]]:
         """The log file of a pod's container (the current run, or the previous one) and a test of
         whether that run is still going.
 
@@ -97,12 +101,16 @@ class Kubelet:
                 raise ApiError(400, "BadRequest", f"container {container} is not valid for pod {name}")
             state = self.containers.get(pod["metadata"]["uid"])
             if state is None or state.log is None:
-                raise ApiError(400, "BadRequest", f'container "{names[0]}" in pod "{name}" is waiting to start: ContainerCreating')
+                raise ApiError(
+                    400, "BadRequest", f'container "{names[0]}" in pod "{name}" is waiting to start: ContainerCreating'
+                )
             log, proc = state.log, state.proc
             if previous:
                 count = int(log.stem.rsplit("-", 1)[1])
                 if count == 0:
-                    raise ApiError(400, "BadRequest", f'previous terminated container "{names[0]}" in pod "{name}" not found')
+                    raise ApiError(
+                        400, "BadRequest", f'previous terminated container "{names[0]}" in pod "{name}" not found'
+                    )
                 return log.with_name(f"{names[0]}-{count - 1}.log"), lambda: False
         return log, lambda: state.proc is proc and proc is not None and proc.poll() is None
 
@@ -179,7 +187,13 @@ class Kubelet:
                 cstatus["lastState"], cstatus["state"] = cstatus["state"], {"waiting": {"reason": "CrashLoopBackOff"}}
                 name = cstatus["name"]
                 where = f"{meta['name']}_{meta['namespace']}({meta['uid']})"
-                self._event(pod, "Warning", "BackOff", f"Back-off restarting failed container {name} in pod {where}", container=name)
+                self._event(
+                    pod,
+                    "Warning",
+                    "BackOff",
+                    f"Back-off restarting failed container {name} in pod {where}",
+                    container=name,
+                )
             else:
                 status["phase"] = "Succeeded" if code == 0 else "Failed"
             self.store.touch(pod)
@@ -214,12 +228,20 @@ class Kubelet:
         state.log_file = open(state.log, "ab")  # noqa: SIM115 (closed when the pod goes)
         state.proc = subprocess.Popen(
             [sys.executable, "-m", "trainer.emulation.container", json.dumps(launch)],
-            stdout=state.log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            stdout=state.log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
             preexec_fn=die_with_parent,  # the loop thread started it: the pod dies with the cluster
-        )  # fmt: skip
+        )
         started = now_rfc3339()
         status.update(phase="Running", startTime=status.get("startTime", started), hostIP="127.0.0.1", conditions=[])
-        cstatus = {"name": container["name"], "image": container.get("image", ""), "restartCount": restarts, "ready": True}
+        cstatus = {
+            "name": container["name"],
+            "image": container.get("image", ""),
+            "restartCount": restarts,
+            "ready": True,
+        }
         cstatus["imageID"] = cstatus["containerID"] = f"emulated://{container.get('image', '')}"
         previous = (status.get("containerStatuses") or [{}])[0].get("lastState")
         status["containerStatuses"] = [
@@ -230,7 +252,10 @@ class Kubelet:
         if not restarts:
             spec["nodeName"] = HOST
             self._event(
-                pod, "Normal", "Scheduled", f"Successfully assigned {pod['metadata']['namespace']}/{pod['metadata']['name']} to {HOST}"
+                pod,
+                "Normal",
+                "Scheduled",
+                f"Successfully assigned {pod['metadata']['namespace']}/{pod['metadata']['name']} to {HOST}",
             )
         self._event(pod, "Normal", "Pulled", f'Container image "{image}" already present on machine', container=name)
         self._event(pod, "Normal", "Created", f"Created container: {name}", container=name)
@@ -252,15 +277,26 @@ class Kubelet:
         else:
             self._event(pod, "Warning", "FailedMount" if reason == "FailedMount" else "Failed", message)
 
-    def _event(self, pod: dict, kind: str, reason: str, message: str, *, container: str = "", component: str = "kubelet") -> None:
+    def _event(
+        self, pod: dict, kind: str, reason: str, message: str, *, container: str = "", component: str = "kubelet"
+    ) -> None:
         field_path = f"spec.containers{{{container}}}" if container else ""
         self.events.record(
-            pod, kind, reason, message, component=component if reason != "Scheduled" else "default-scheduler", field_path=field_path
+            pod,
+            kind,
+            reason,
+            message,
+            component=component if reason != "Scheduled" else "default-scheduler",
+            field_path=field_path,
         )
 
     def pod_dir(self, pod: dict) -> Path:
         """The pod's own folder (its logs, hosts file and emptyDir volumes)."""
-        path = self.root / "pods" / f"{pod['metadata']['namespace']}_{pod['metadata']['name']}_{pod['metadata']['uid'][:8]}"
+        path = (
+            self.root
+            / "pods"
+            / f"{pod['metadata']['namespace']}_{pod['metadata']['name']}_{pod['metadata']['uid'][:8]}"
+        )
         path.mkdir(parents=True, exist_ok=True)
         return path
 
@@ -270,7 +306,9 @@ class Kubelet:
         """
         job_uid = pod["metadata"]["ownerReferences"][0]["uid"]
         if job_uid not in self.networks:
-            holder = subprocess.Popen(["unshare", "--net", "sleep", "infinity"], start_new_session=True, preexec_fn=die_with_parent)
+            holder = subprocess.Popen(
+                ["unshare", "--net", "sleep", "infinity"], start_new_session=True, preexec_fn=die_with_parent
+            )
             own = os.readlink("/proc/self/ns/net")
             while os.readlink(f"/proc/{holder.pid}/ns/net") == own:  # until unshare has made it
                 time.sleep(0.01)
@@ -312,10 +350,15 @@ class Kubelet:
                 mount.update(kind="bind", source=str(source), readOnly=True)
             else:
                 raise ApiError(
-                    400, "FailedMount", f"volume {vm['name']}: only persistentVolumeClaim, emptyDir and secret volumes are emulated"
+                    400,
+                    "FailedMount",
+                    f"volume {vm['name']}: only persistentVolumeClaim, emptyDir and secret volumes are emulated",
                 )
             mounts.append(mount)
-        env = {"PATH": f"{Path(sys.executable).parent}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(pod_dir)}
+        env = {
+            "PATH": f"{Path(sys.executable).parent}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "HOME": str(pod_dir),
+        }
         env["HOSTNAME"] = meta["name"]
         for source in container.get("envFrom") or []:
             ref = source.get("secretRef")
@@ -329,11 +372,14 @@ class Kubelet:
             env[var["name"]] = self._env_value(pod, var, env)
         argv = [_expand(a, env) for a in (container.get("command") or []) + (container.get("args") or [])]
         if not argv:
-            raise ApiError(400, "CreateContainerError", "the emulated image has no entrypoint: set the container's command")
+            raise ApiError(
+                400, "CreateContainerError", "the emulated image has no entrypoint: set the container's command"
+            )
         hosts = pod_dir / "hosts"
         peers = self._pods_of_owner(pod)
         hosts.write_text(
-            "127.0.0.1\tlocalhost\n::1\tlocalhost\n" + "".join(f"{p['status']['podIP']}\t{p['metadata']['name']}\n" for p in peers)
+            "127.0.0.1\tlocalhost\n::1\tlocalhost\n"
+            + "".join(f"{p['status']['podIP']}\t{p['metadata']['name']}\n" for p in peers)
         )
         return {
             "netns": self._network(pod),
@@ -362,7 +408,11 @@ class Kubelet:
             return fields[source["fieldRef"]["fieldPath"]]
         ref = source.get("secretKeyRef")
         if ref is None:
-            raise ApiError(400, "CreateContainerConfigError", f"env {var['name']}: only value, fieldRef and secretKeyRef are emulated")
+            raise ApiError(
+                400,
+                "CreateContainerConfigError",
+                f"env {var['name']}: only value, fieldRef and secretKeyRef are emulated",
+            )
         data = self.secrets.get((pod["metadata"]["namespace"], ref["name"])) or {}
         if ref["key"] not in data and not ref.get("optional"):
             raise ApiError(400, "CreateContainerConfigError", f'secret "{ref["name"]}" has no key {ref["key"]}')
@@ -382,7 +432,11 @@ def _exit_code(returncode: int) -> int:
 
 def _record_exit(cstatus: dict, code: int) -> None:
     """Move a running container's status to terminated with ``code``."""
-    finished = {"exitCode": code, "reason": "Completed" if code == 0 else "Error", "startedAt": cstatus["state"]["running"]["startedAt"]}
+    finished = {
+        "exitCode": code,
+        "reason": "Completed" if code == 0 else "Error",
+        "startedAt": cstatus["state"]["running"]["startedAt"],
+    }
     cstatus["state"] = {"terminated": {**finished, "finishedAt": now_rfc3339()}}
     cstatus["ready"] = False
 

@@ -11,8 +11,9 @@ so its workers' ``MASTER_ADDR`` and the wrapper's store are reachable from the o
 Each host has node-local memory of its own for the local tier (``RFSDP_LOCAL_TIER_ROOT``, a folder
 of this machine's /dev/shm that the namespaces would otherwise share). Node faults act on a host as
 a real cluster would see them: ``kill_node`` SIGKILLs every process in the host's namespace at once
-and wipes its memory (its local tier), as a replaced node has none; ``set_link(node, up=False)`` takes the host's switch port down,
-so its packets vanish silently (as with a failed cable, not a clean refusal).
+and wipes its memory (its local tier), as a replaced node has none; ``set_link(node, up=False)``
+takes the host's switch port down, so its packets vanish silently (as with a failed cable, not a
+clean refusal).
 
 ``LocalCluster`` always tears everything down (processes, namespaces, links), also on Ctrl-C,
 SIGTERM and on failure; namespaces left behind by a harness that was itself SIGKILLed are removed
@@ -143,7 +144,10 @@ class LocalCluster:
         tag = f"{_PREFIX}{os.getpid()}"
         self.switch = f"{tag}-sw"
         memory = LOCAL_TIER_ROOT.with_name  # each host's own folder beside the machine's root
-        self.hosts = [Host(i, f"{tag}-h{i}", f"{SUBNET}.{i + 1}", memory(f"{LOCAL_TIER_ROOT.name}-{tag}-h{i}")) for i in range(nnodes)]
+        self.hosts = [
+            Host(i, f"{tag}-h{i}", f"{SUBNET}.{i + 1}", memory(f"{LOCAL_TIER_ROOT.name}-{tag}-h{i}"))
+            for i in range(nnodes)
+        ]
         self._previous_sigterm: object = None
 
     # ------------------------------------------------------------ lifecycle
@@ -170,7 +174,21 @@ class LocalCluster:
         for host in self.hosts:
             port = f"p{host.index}"
             _ip("netns", "add", host.namespace)
-            _ip("-n", self.switch, "link", "add", "name", port, "type", "veth", "peer", "name", "eth0", "netns", host.namespace)
+            _ip(
+                "-n",
+                self.switch,
+                "link",
+                "add",
+                "name",
+                port,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                host.namespace,
+            )
             _ip("-n", self.switch, "link", "set", port, "master", "br0", "up")
             _ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", "eth0")
             _ip("-n", host.namespace, "link", "set", "eth0", "up")

@@ -73,7 +73,9 @@ def operator_env(job: dict, rtype: str, index: int) -> list[dict[str, str]]:
         if elastic.get("rdzvId") is not None:
             env.append({"name": "PET_RDZV_ID", "value": elastic["rdzvId"]})
         if elastic.get("rdzvConf"):
-            env.append({"name": "PET_RDZV_CONF", "value": ",".join(f"{c['key']}={c['value']}" for c in elastic["rdzvConf"])})
+            env.append(
+                {"name": "PET_RDZV_CONF", "value": ",".join(f"{c['key']}={c['value']}" for c in elastic["rdzvConf"])}
+            )
         if elastic.get("standalone"):
             env.append({"name": "PET_STANDALONE", "value": ""})
     else:
@@ -109,7 +111,14 @@ def _condition(status: dict, kind: str, message: str) -> None:
         kept.append(c)
     stamp = now_rfc3339()
     kept.append(
-        {"type": kind, "status": "True", "reason": reason, "message": message, "lastUpdateTime": stamp, "lastTransitionTime": stamp}
+        {
+            "type": kind,
+            "status": "True",
+            "reason": reason,
+            "message": message,
+            "lastUpdateTime": stamp,
+            "lastTransitionTime": stamp,
+        }
     )
     status["conditions"] = kept
 
@@ -145,7 +154,9 @@ class Controllers:
         """Mark a pod for graceful deletion (the kubelet does the rest)."""
         self.kubelet.delete_pod(pod, grace)
 
-    def log_source(self, namespace: str, name: str, container: str, *, previous: bool) -> tuple[Path, Callable[[], bool]]:
+    def log_source(
+        self, namespace: str, name: str, container: str, *, previous: bool
+    ) -> tuple[Path, Callable[[], bool]]:
         """The log file of a pod's container and a test of whether it is still running
         (:meth:`Kubelet.log_source`).
         """
@@ -193,7 +204,9 @@ class Controllers:
             ttl = run_policy.get("ttlSecondsAfterFinished")
             done = calendar.timegm(time.strptime(status["completionTime"], "%Y-%m-%dT%H:%M:%SZ"))
             if ttl is not None and time.time() >= done + ttl:
-                self.store.remove(PLURAL, meta["namespace"], meta["name"])  # background: the garbage collector takes the pods
+                self.store.remove(
+                    PLURAL, meta["namespace"], meta["name"]
+                )  # background: the garbage collector takes the pods
             return
         if not status.get("conditions"):
             _condition(status, "Created", f"{KIND} {meta['name']} is created.")
@@ -212,13 +225,18 @@ class Controllers:
                     continue
                 phase = pod["status"].get("phase", "Pending")
                 if "deletionTimestamp" in pod["metadata"] and phase not in ("Succeeded", "Failed"):
-                    continue  # on its way out (recreated once gone); its terminal phase counts, as the real operator counts it
+                    # On its way out (recreated once gone); its terminal phase counts, as the real operator counts it.
+                    continue
                 if phase == "Failed":
                     code = exit_code(pod)
                     if policy in ("OnFailure", "Always") or (policy == "ExitCode" and code >= 128):
                         self._delete_owned(job, pod, 0)  # recreated once it is gone
                         self.recreated[meta["uid"]] = self.recreated.get(meta["uid"], 0) + 1
-                        _condition(status, "Restarting", f"{KIND} {meta['name']} is restarting because 1 {rtype} replica(s) failed.")
+                        _condition(
+                            status,
+                            "Restarting",
+                            f"{KIND} {meta['name']} is restarting because 1 {rtype} replica(s) failed.",
+                        )
                         continue
                     counts["failed"] += 1
                     failure = f"{KIND} {meta['name']} is failed because {counts['failed']} {rtype} replica(s) failed."
@@ -228,13 +246,18 @@ class Controllers:
                     counts["active"] += 1
             replica_statuses[rtype] = {
                 **{k: v for k, v in counts.items() if v},
-                "selector": f"{LABEL}job-name={meta['name']},{LABEL}operator-name={OPERATOR_NAME},{LABEL}replica-type={rtype.lower()}",
+                "selector": (
+                    f"{LABEL}job-name={meta['name']},{LABEL}operator-name={OPERATOR_NAME},"
+                    f"{LABEL}replica-type={rtype.lower()}"
+                ),
             }
         status["replicaStatuses"] = replica_statuses
         worker = replica_statuses.get("Worker", {})
         master = replica_statuses.get("Master")
         if self._past_backoff_limit(job, pods):
-            _condition(status, "Failed", f"{KIND} {meta['name']} has failed because it has reached the specified backoff limit")
+            _condition(
+                status, "Failed", f"{KIND} {meta['name']} has failed because it has reached the specified backoff limit"
+            )
         elif failure:
             _condition(status, "Failed", failure)
         elif (master and master.get("succeeded")) or (
@@ -262,7 +285,9 @@ class Controllers:
 
     def _delete_owned(self, job: dict, pod: dict, grace: int | None) -> None:
         if "deletionTimestamp" not in pod["metadata"]:
-            self.events.record(job, "Normal", "SuccessfulDeletePod", f"Deleted pod: {pod['metadata']['name']}", component=OPERATOR_NAME)
+            self.events.record(
+                job, "Normal", "SuccessfulDeletePod", f"Deleted pod: {pod['metadata']['name']}", component=OPERATOR_NAME
+            )
         self.delete_pod(pod, grace)
 
     def _past_backoff_limit(self, job: dict, pods: list[dict]) -> bool:
@@ -308,7 +333,9 @@ class Controllers:
             f"{LABEL}replica-type": rtype.lower(),
             f"{LABEL}replica-index": str(index),
         }
-        if rtype == "Master" or ("Master" not in job["spec"]["pytorchReplicaSpecs"] and rtype == "Worker" and index == 0):
+        if rtype == "Master" or (
+            "Master" not in job["spec"]["pytorchReplicaSpecs"] and rtype == "Worker" and index == 0
+        ):
             labels[f"{LABEL}job-role"] = "master"
         owner = {
             "apiVersion": f"{GROUP}/{VERSION}",
@@ -324,10 +351,17 @@ class Controllers:
             "labels": labels,
             "ownerReferences": [owner],
         }
-        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": new_metadata(pod_meta, meta["namespace"]), "spec": pod_spec}
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": new_metadata(pod_meta, meta["namespace"]),
+            "spec": pod_spec,
+        }
         pod["status"] = {"phase": "Pending", "podIP": pod_address(job["spec"], rtype, index)}
         self.store.put("pods", pod)
-        self.events.record(job, "Normal", "SuccessfulCreatePod", f"Created pod: {pod_meta['name']}", component=OPERATOR_NAME)
+        self.events.record(
+            job, "Normal", "SuccessfulCreatePod", f"Created pod: {pod_meta['name']}", component=OPERATOR_NAME
+        )
 
     def _collect_garbage(self) -> None:
         """Delete (gracefully) pods whose owning job is gone, as the garbage collector does."""
@@ -337,7 +371,9 @@ class Controllers:
             if refs and not any(r["uid"] in jobs for r in refs):
                 self.delete_pod(pod, None)
         for uid in [
-            u for u in self.kubelet.networks if u not in jobs and not any(self.kubelet.in_network(p, u) for p in self.store.items("pods"))
+            u
+            for u in self.kubelet.networks
+            if u not in jobs and not any(self.kubelet.in_network(p, u) for p in self.store.items("pods"))
         ]:
             holder = self.kubelet.networks.pop(uid)
             holder.kill()

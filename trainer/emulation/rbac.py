@@ -51,7 +51,9 @@ class Rbac:
             role = binding["roleRef"]["name"]
             for subject in binding["subjects"]:
                 user = f"system:serviceaccount:{subject.get('namespace', namespace)}:{subject['name']}"
-                self.rules.setdefault(user, []).extend((binding["metadata"]["name"], role, rule) for rule in roles[role])
+                self.rules.setdefault(user, []).extend(
+                    (binding["metadata"]["name"], role, rule) for rule in roles[role]
+                )
 
     def allows(self, req: Request) -> bool:
         """Whether the request is granted (the admin always is)."""
@@ -63,7 +65,8 @@ class Rbac:
             return ""
         if req.group == "authorization.k8s.io" and req.resource in _SELF_REVIEWS and req.verb == "create":
             return (
-                'RBAC: allowed by ClusterRoleBinding "system:basic-user" of ClusterRole "system:basic-user" to Group "system:authenticated"'
+                'RBAC: allowed by ClusterRoleBinding "system:basic-user" of ClusterRole "system:basic-user" '
+                'to Group "system:authenticated"'
             )
         if req.namespace != self.namespace:
             return None
@@ -92,16 +95,27 @@ class Rbac:
         if attrs:
             sub = attrs.get("subresource") or ""
             resource = attrs.get("resource", "") + (f"/{sub}" if sub else "")
-            req = Request(user, attrs.get("verb", ""), attrs.get("group", ""), resource, attrs.get("namespace", ""), attrs.get("name", ""))
+            req = Request(
+                user,
+                attrs.get("verb", ""),
+                attrs.get("group", ""),
+                resource,
+                attrs.get("namespace", ""),
+                attrs.get("name", ""),
+            )
             reason = self.reason(req)
         elif non_resource:
             allowed = user == ADMIN or (
-                non_resource.get("verb") == "get" and any(non_resource.get("path", "").startswith(p) for p in DISCOVERY_PATHS)
+                non_resource.get("verb") == "get"
+                and any(non_resource.get("path", "").startswith(p) for p in DISCOVERY_PATHS)
             )
             reason = "" if allowed else None
         else:
             raise ApiError(
-                400, "BadRequest", "spec: Invalid value: ...: exactly one of nonResourceAttributes or resourceAttributes must be specified"
+                400,
+                "BadRequest",
+                "spec: Invalid value: ...: exactly one of nonResourceAttributes "
+                "or resourceAttributes must be specified",
             )
         status: dict = {"allowed": reason is not None}
         if reason:
@@ -115,7 +129,9 @@ def _has(allowed: list[str], value: str) -> bool:
 
 def forbidden(req: Request) -> ApiError:
     """``403 Forbidden`` worded like the real RBAC authorizer's refusal."""
-    what = f'{qualified(req.resource.split("/")[0])} "{req.name}"' if req.name else qualified(req.resource.split("/")[0])
+    what = (
+        f'{qualified(req.resource.split("/")[0])} "{req.name}"' if req.name else qualified(req.resource.split("/")[0])
+    )
     sub = req.resource.split("/", 1)[1] if "/" in req.resource else ""
     resource = req.resource.split("/")[0]
     where = f'in the namespace "{req.namespace}"' if req.namespace else "at the cluster scope"
@@ -124,7 +140,9 @@ def forbidden(req: Request) -> ApiError:
         + (f' with subresource "{sub}"' if sub else "")
         + f' in API group "{req.group}" {where}'
     )
-    return ApiError(403, "Forbidden", message, {"name": req.name, "group": req.group, "kind": resource} if req.name else None)
+    return ApiError(
+        403, "Forbidden", message, {"name": req.name, "group": req.group, "kind": resource} if req.name else None
+    )
 
 
 # ------------------------------------------------------------------ access reviews in protobuf
@@ -148,15 +166,23 @@ def review_from_protobuf(raw: bytes) -> dict:
         type_meta = _fields(unknown[1][0])
         api_version, kind = type_meta.get(1, [b""])[0].decode(), type_meta.get(2, [b""])[0].decode()
         if kind not in ("SelfSubjectAccessReview", "SubjectAccessReview"):
-            raise ApiError(415, "UnsupportedMediaType", f"the emulated server decodes no {kind or 'object'} sent as {PROTOBUF}: send JSON")
+            raise ApiError(
+                415,
+                "UnsupportedMediaType",
+                f"the emulated server decodes no {kind or 'object'} sent as {PROTOBUF}: send JSON",
+            )
         spec_fields = _fields(_fields(unknown[2][0]).get(2, [b""])[0])
         spec: dict = {}
         if 1 in spec_fields:
             attrs = _fields(spec_fields[1][0])
-            spec["resourceAttributes"] = {k: attrs[i + 1][0].decode() for i, k in enumerate(_RESOURCE_ATTRIBUTES) if i + 1 in attrs}
+            spec["resourceAttributes"] = {
+                k: attrs[i + 1][0].decode() for i, k in enumerate(_RESOURCE_ATTRIBUTES) if i + 1 in attrs
+            }
         if 2 in spec_fields:
             attrs = _fields(spec_fields[2][0])
-            spec["nonResourceAttributes"] = {k: attrs[i + 1][0].decode() for i, k in enumerate(("path", "verb")) if i + 1 in attrs}
+            spec["nonResourceAttributes"] = {
+                k: attrs[i + 1][0].decode() for i, k in enumerate(("path", "verb")) if i + 1 in attrs
+            }
         if kind == "SubjectAccessReview":
             if 3 in spec_fields:
                 spec["user"] = spec_fields[3][0].decode()

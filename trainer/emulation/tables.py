@@ -12,7 +12,13 @@ from typing import Any
 
 from trainer.emulation.api import PLURAL
 
-_NAME = {"name": "Name", "type": "string", "format": "name", "description": "Name must be unique within a namespace.", "priority": 0}
+_NAME = {
+    "name": "Name",
+    "type": "string",
+    "format": "name",
+    "description": "Name must be unique within a namespace.",
+    "priority": 0,
+}
 
 
 def wants_table(accept: str) -> bool:
@@ -20,7 +26,9 @@ def wants_table(accept: str) -> bool:
     return any({"as=Table", "g=meta.k8s.io"} <= {p.strip() for p in part.split(";")} for part in accept.split(","))
 
 
-def table(resource: str, objects: list[dict], *, printer_columns: list[dict], include: str, version: str, headers: bool = True) -> dict:
+def table(
+    resource: str, objects: list[dict], *, printer_columns: list[dict], include: str, version: str, headers: bool = True
+) -> dict:
     """A ``meta.k8s.io/v1`` Table of ``objects``; ``include`` is the ``includeObject`` parameter
     (Metadata, the default; Object; None).
     """
@@ -30,10 +38,15 @@ def table(resource: str, objects: list[dict], *, printer_columns: list[dict], in
         columns, cells = _EVENT_COLUMNS, _event_cells
     elif resource == PLURAL:
         columns = [_NAME] + [
-            {"name": c["name"], "type": c["type"], "format": c.get("format", ""), "description": c.get("description", ""),
-             "priority": c.get("priority", 0)}
+            {
+                "name": c["name"],
+                "type": c["type"],
+                "format": c.get("format", ""),
+                "description": c.get("description", ""),
+                "priority": c.get("priority", 0),
+            }
             for c in printer_columns
-        ]  # fmt: skip
+        ]
 
         def cells(obj: dict) -> list[Any]:
             return [obj["metadata"]["name"]] + [_printer_cell(obj, c) for c in printer_columns]
@@ -139,10 +152,13 @@ _POD_COLUMNS = [
     _column("Status", "The aggregate status of the containers in this pod."),
     _column(
         "Restarts",
-        "The number of times the containers in this pod have been restarted and when the last container in this pod has restarted.",
+        "The number of times the containers in this pod have been restarted "
+        "and when the last container in this pod has restarted.",
     ),
     _column("Age", "CreationTimestamp is a timestamp representing the server time when this object was created."),
-    _column("IP", "IP address allocated to the pod. Routable at least within the cluster. Empty if not yet allocated.", 1),
+    _column(
+        "IP", "IP address allocated to the pod. Routable at least within the cluster. Empty if not yet allocated.", 1
+    ),
     _column("Node", "NodeName is a request to schedule this pod onto a specific node.", 1),
     _column("Nominated Node", "nominatedNodeName is set when this pod preempts other pods on the node.", 1),
     _column("Readiness Gates", "If specified, all readiness gates will be evaluated for pod readiness.", 1),
@@ -169,14 +185,28 @@ def _pod_cells(pod: dict) -> list[Any]:
     if reason == "Pending" and not containers:
         scheduled = next((c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"), None)
         reason = (
-            "Pending" if scheduled and scheduled.get("status") == "False" else "ContainerCreating" if status.get("startTime") else "Pending"
+            "Pending"
+            if scheduled and scheduled.get("status") == "False"
+            else "ContainerCreating"
+            if status.get("startTime")
+            else "Pending"
         )
     if meta.get("deletionTimestamp"):
         reason = "Terminating"
     restarts_cell = f"{restarts} ({age(last_restart)} ago)" if last_restart else str(restarts)
     ip = status.get("podIP") or "<none>"
     node = pod["spec"].get("nodeName") or "<none>"
-    return [meta["name"], f"{ready}/{total}", reason, restarts_cell, age(meta.get("creationTimestamp")), ip, node, "<none>", "<none>"]
+    return [
+        meta["name"],
+        f"{ready}/{total}",
+        reason,
+        restarts_cell,
+        age(meta.get("creationTimestamp")),
+        ip,
+        node,
+        "<none>",
+        "<none>",
+    ]
 
 
 # ------------------------------------------------------------------ events

@@ -32,7 +32,15 @@ from trainer.events.history import (
     sessions,
     summarize,
 )
-from trainer.events.log import EventLog, EventTail, corrupt_lines, first_run_start_line, iter_events, parse_event_lines, read_events
+from trainer.events.log import (
+    EventLog,
+    EventTail,
+    corrupt_lines,
+    first_run_start_line,
+    iter_events,
+    parse_event_lines,
+    read_events,
+)
 from trainer.events.records import (
     CHECKPOINT_TIERS,
     EVENT_TYPES,

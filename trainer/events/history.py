@@ -170,7 +170,13 @@ def recovery_layer(history: RunHistory, *, in_process_iteration: int, in_job_res
 
 
 def describe_restart(
-    history: RunHistory, *, layer: str, resumed_from: int, first_step: Step, marks: dict[str, float] | None = None, source: str = "durable"
+    history: RunHistory,
+    *,
+    layer: str,
+    resumed_from: int,
+    first_step: Step,
+    marks: dict[str, float] | None = None,
+    source: str = "durable",
 ) -> Restart:
     """The ``restart`` event for a recovery, from the history of the events written before it.
 
@@ -195,7 +201,10 @@ def describe_restart(
         source=source,
         lost_steps=max(0, (resumed_from if history.max_step is None else history.max_step) - resumed_from),
         recovery_s=first_step.time - start,
-        phases={**{k: t - start for k, t in (marks or {}).items() if t >= start}, "first_step": first_step.time - start},
+        phases={
+            **{k: t - start for k, t in (marks or {}).items() if t >= start},
+            "first_step": first_step.time - start,
+        },
     )
 
 
@@ -268,7 +277,10 @@ def summarize(events: list[Event]) -> dict[str, float | int | None]:
         "final_loss": steps[last].loss if last is not None else None,
         "faults": len(select(events, FaultFired)),
         "restarts": len(restarts),
-        **{f"failures_{category}": sum(e.category == category for e in select(events, Failure)) for category in FAILURE_CATEGORIES},
+        **{
+            f"failures_{category}": sum(e.category == category for e in select(events, Failure))
+            for category in FAILURE_CATEGORIES
+        },
         **{f"restarts_{layer}": sum(e.layer == layer for e in restarts) for layer in RESTART_LAYERS},
         "recovery_s_mean": statistics.fmean(recovery) if recovery else None,
         "recovery_s_p50": statistics.median(recovery) if recovery else None,

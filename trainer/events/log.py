@@ -103,7 +103,9 @@ def _append_whole(fd: int, data: bytes, size: int, path: Path) -> None:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, size)
         code = e.errno if e.errno is not None else errno.EIO
-        raise OSError(code, f"{e.strerror or e}: no event appended ({done} of {len(data)} bytes written, undone)", str(path)) from e
+        raise OSError(
+            code, f"{e.strerror or e}: no event appended ({done} of {len(data)} bytes written, undone)", str(path)
+        ) from e
 
 
 _FALLOC_FL_KEEP_SIZE = 1  # <linux/falloc.h>
@@ -122,7 +124,9 @@ def _keep_room(fd: int, end: int, path: Path) -> bool:
         return True
     code = ctypes.get_errno()
     if code in (errno.ENOSPC, errno.EDQUOT):
-        raise OSError(code, f"{os.strerror(code)}: no event appended (the room left is kept for the run's last words)", str(path))
+        raise OSError(
+            code, f"{os.strerror(code)}: no event appended (the room left is kept for the run's last words)", str(path)
+        )
     return False
 
 

@@ -227,7 +227,9 @@ class NodesPreempted(Event):
     def describe(self) -> str:
         """One line for a person: which nodes, and what the others do."""
         which = ", ".join(map(str, self.nodes))
-        then = "wait for the replacement" if self.others == "wait" else "are relaunched with it (it held the rendezvous)"
+        then = (
+            "wait for the replacement" if self.others == "wait" else "are relaunched with it (it held the rendezvous)"
+        )
         return f"node {which} of {self.nnodes} preempted at step {self.step}, checkpointed: the others {then}"
 
 
@@ -283,7 +285,9 @@ class Failure(Event):
         """One line for a person: which failure, where and how it was taken."""
         at = f"step {self.step}" if self.step is not None else "start-up"
         again = f", occurrence {self.occurrence}" if self.occurrence > 1 else ""
-        return f"{self.category} failure ({self.kind}) at {at} on rank {self.rank}: {self.error} at {self.origin}{again}"
+        return (
+            f"{self.category} failure ({self.kind}) at {at} on rank {self.rank}: {self.error} at {self.origin}{again}"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -322,10 +326,23 @@ class SystemSample(Event):
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.KIND: cls
     for cls in (
-        RunStart, Step, Checkpoint, CheckpointFailed, Mirror, MirrorFailed, MirrorRestore, RunWarning, FaultFired, Failure, Restart, Fatal,
-        NodesPreempted, RunEnd, SystemSample,
+        RunStart,
+        Step,
+        Checkpoint,
+        CheckpointFailed,
+        Mirror,
+        MirrorFailed,
+        MirrorRestore,
+        RunWarning,
+        FaultFired,
+        Failure,
+        Restart,
+        Fatal,
+        NodesPreempted,
+        RunEnd,
+        SystemSample,
     )
-}  # fmt: skip
+}
 E = TypeVar("E", bound=Event)
 
 

@@ -99,7 +99,9 @@ class ClusterOptions:
             raise refuse("pvc_name", f"{self.pvc_name!r} is not a valid PersistentVolumeClaim name")
         for field_name in ("cpu", "memory", "shm_size"):
             if not _QUANTITY.match(getattr(self, field_name)):
-                raise refuse(field_name, f"{getattr(self, field_name)!r} is not a Kubernetes quantity (e.g. 4, 500m, 16Gi)")
+                raise refuse(
+                    field_name, f"{getattr(self, field_name)!r} is not a Kubernetes quantity (e.g. 4, 500m, 16Gi)"
+                )
         for secret in self.secrets:
             if not _DNS_1123.match(secret):
                 raise refuse("secrets", f"{secret!r} is not a valid Secret name")
@@ -109,8 +111,11 @@ class ClusterOptions:
 
 
 _QUANTITY_UNITS = {
-    "m": 1e-3, "": 1, **{u: 1000**i for i, u in enumerate("kMGTPE", 1)}, **{u + "i": 1024**i for i, u in enumerate("KMGTPE", 1)},
-}  # fmt: skip
+    "m": 1e-3,
+    "": 1,
+    **{u: 1000**i for i, u in enumerate("kMGTPE", 1)},
+    **{u + "i": 1024**i for i, u in enumerate("KMGTPE", 1)},
+}
 
 
 def quantity_bytes(quantity: str) -> float:
@@ -138,12 +143,16 @@ def build_pytorchjob(cfg: TrainConfig, spec: LaunchSpec, opts: ClusterOptions) -
     node_faults = [f.key for f in cfg.faults if isinstance(f, NodeFault)]
     if node_faults:  # fired by the local netns harness; nothing in a PyTorchJob would fire them
         raise ParameterError(
-            "fault", f"{', '.join(node_faults)} are node-level faults, which only the local --netns cluster can inject", style="parameter"
+            "fault",
+            f"{', '.join(node_faults)} are node-level faults, which only the local --netns cluster can inject",
+            style="parameter",
         )
     for flag, path in (("data", cfg.data), ("run_dir", cfg.run_dir)):
         if not path.startswith(WORKSPACE_MOUNT + "/"):
             raise ParameterError(
-                flag, f"{path!r} is not on the shared volume ({WORKSPACE_MOUNT}), so the workers cannot see it", style="parameter"
+                flag,
+                f"{path!r} is not on the shared volume ({WORKSPACE_MOUNT}), so the workers cannot see it",
+                style="parameter",
             )
     limits = {"cpu": opts.cpu, "memory": opts.memory}
     shm = k8s.V1EmptyDirVolumeSource(medium="Memory", size_limit=shm_size_limit(cfg, spec, opts))
@@ -156,13 +165,16 @@ def build_pytorchjob(cfg: TrainConfig, spec: LaunchSpec, opts: ClusterOptions) -
         # protocol and (below) suspend spelled out: the API server's schema defaults, so the stored job equals this one
         ports=[k8s.V1ContainerPort(name=RDZV_PORT_NAME, container_port=DEFAULT_RDZV_PORT, protocol="TCP")],
         resources=k8s.V1ResourceRequirements(requests=dict(limits), limits=limits),
-        env_from=[k8s.V1EnvFromSource(secret_ref=k8s.V1SecretEnvSource(name=s, optional=True)) for s in opts.secrets] or None,
+        env_from=[k8s.V1EnvFromSource(secret_ref=k8s.V1SecretEnvSource(name=s, optional=True)) for s in opts.secrets]
+        or None,
         volume_mounts=[
             k8s.V1VolumeMount(name="workspace", mount_path=WORKSPACE_MOUNT),
             k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm"),
         ],
         # Pod Security "restricted": no privilege escalation, no capabilities (the workers need none).
-        security_context=k8s.V1SecurityContext(allow_privilege_escalation=False, capabilities=k8s.V1Capabilities(drop=["ALL"])),
+        security_context=k8s.V1SecurityContext(
+            allow_privilege_escalation=False, capabilities=k8s.V1Capabilities(drop=["ALL"])
+        ),
     )
     pod = k8s.V1PodTemplateSpec(
         # An Istio sidecar would intercept the rendezvous and store traffic between workers.
@@ -181,7 +193,10 @@ def build_pytorchjob(cfg: TrainConfig, spec: LaunchSpec, opts: ClusterOptions) -
             # checkpoint and exit within this, with a margin for the launcher's own exit.
             termination_grace_period_seconds=int(cfg.grace_period) + 15,
             volumes=[
-                k8s.V1Volume(name="workspace", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(claim_name=opts.pvc_name)),
+                k8s.V1Volume(
+                    name="workspace",
+                    persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(claim_name=opts.pvc_name),
+                ),
                 k8s.V1Volume(name="dshm", empty_dir=shm),
             ],
         ),
@@ -189,7 +204,9 @@ def build_pytorchjob(cfg: TrainConfig, spec: LaunchSpec, opts: ClusterOptions) -
     job = models.KubeflowOrgV1PyTorchJob(
         api_version=API_VERSION,
         kind=KIND,
-        metadata=k8s.V1ObjectMeta(name=opts.name, namespace=opts.namespace or None, labels={"app.kubernetes.io/part-of": "resilient-fsdp"}),
+        metadata=k8s.V1ObjectMeta(
+            name=opts.name, namespace=opts.namespace or None, labels={"app.kubernetes.io/part-of": "resilient-fsdp"}
+        ),
         spec=models.KubeflowOrgV1PyTorchJobSpec(
             # Not the deprecated elasticPolicy.nProcPerNode: the webhook rejects both together.
             nproc_per_node=str(spec.nproc_per_node),
@@ -201,10 +218,13 @@ def build_pytorchjob(cfg: TrainConfig, spec: LaunchSpec, opts: ClusterOptions) -
                 max_restarts=spec.max_restarts,
             ),
             pytorch_replica_specs={
-                kf.REPLICA_TYPE_WORKER: models.KubeflowOrgV1ReplicaSpec(replicas=spec.nnodes, restart_policy="OnFailure", template=pod)
+                kf.REPLICA_TYPE_WORKER: models.KubeflowOrgV1ReplicaSpec(
+                    replicas=spec.nnodes, restart_policy="OnFailure", template=pod
+                )
             },
             run_policy=models.KubeflowOrgV1RunPolicy(
-                clean_pod_policy="None",  # keep finished pods for their logs (the step deletes a failed job, printing them first)
+                # keep finished pods for their logs (the step deletes a failed job, printing them first)
+                clean_pod_policy="None",
                 backoff_limit=opts.backoff_limit,
                 active_deadline_seconds=opts.active_deadline_s or None,
                 ttl_seconds_after_finished=opts.ttl_after_finished_s,
@@ -272,7 +292,11 @@ def run_pytorchjob(
     follower.start()
     try:
         final = tc.wait_for_job_conditions(
-            name, namespace, expected_conditions=done, wait_timeout=max(int(timeout_s), 1), polling_interval=max(int(poll_s), 1)
+            name,
+            namespace,
+            expected_conditions=done,
+            wait_timeout=max(int(timeout_s), 1),
+            polling_interval=max(int(poll_s), 1),
         )
     except BaseException as e:  # cancelled, timed out, or the job vanished: leave nothing behind
         if isinstance(e, RuntimeError) and isinstance(e.__cause__, ApiException) and e.__cause__.status == 404:
@@ -292,7 +316,10 @@ def run_pytorchjob(
         _print_events(tc, name, namespace, log)
         _delete_quietly(tc, job, log)
         raise JobFailed(
-            f"{KIND} {namespace}/{name} failed: {failed.get('reason', 'unknown reason')}: {failed.get('message', '')}".rstrip(": ")
+            (
+                f"{KIND} {namespace}/{name} failed: "
+                f"{failed.get('reason', 'unknown reason')}: {failed.get('message', '')}"
+            ).rstrip(": ")
         )
     log(f"{KIND} {namespace}/{name} succeeded")
     return tc.api_client.sanitize_for_serialization(final)
@@ -317,14 +344,17 @@ def _follows_or_replaces(
             return False
         raise
     ended = [
-        c["type"] for c in (existing.get("status") or {}).get("conditions") or [] if c.get("status") == "True" and c.get("type") in done
+        c["type"]
+        for c in (existing.get("status") or {}).get("conditions") or []
+        if c.get("status") == "True" and c.get("type") in done
     ]
     if not ended:
         theirs = (existing["metadata"].get("annotations") or {}).get(SPEC_ANNOTATION)
         if theirs == job.metadata.annotations[SPEC_ANNOTATION]:
             return True
         raise JobFailed(
-            f"{KIND} {namespace}/{name} is still running with another spec: wait for it to end, or delete it, before running {name} again"
+            f"{KIND} {namespace}/{name} is still running with another spec: wait for it to end, or delete it, "
+            f"before running {name} again"
         )
     log(f"deleting the ended {KIND} {namespace}/{name} ({ended[-1]}) before running it again")
     _delete_quietly(tc, job, log)
@@ -335,14 +365,20 @@ def _follow_logs(tc: TrainingClient, name: str, namespace: str, poll_s: float, d
     """Print worker 0's log as it runs (best effort: a log stream must never fail the step)."""
     try:
         tc.wait_for_job_conditions(
-            name, namespace, expected_conditions={kf.JOB_CONDITION_RUNNING, *done}, wait_timeout=86400, polling_interval=max(int(poll_s), 1)
+            name,
+            namespace,
+            expected_conditions={kf.JOB_CONDITION_RUNNING, *done},
+            wait_timeout=86400,
+            polling_interval=max(int(poll_s), 1),
         )
         tc.get_job_logs(name, namespace, is_master=False, replica_type="worker", replica_index=0, follow=True)
     except Exception as e:  # noqa: BLE001 (logs are a convenience; the status poll decides)
         print(f"(log stream of {name} ended: {str(e).splitlines()[0] if str(e) else type(e).__name__})")
 
 
-def _print_last_lines(tc: TrainingClient, name: str, namespace: str, log: Callable[[str], None], lines: int = 30) -> None:
+def _print_last_lines(
+    tc: TrainingClient, name: str, namespace: str, log: Callable[[str], None], lines: int = 30
+) -> None:
     """The last lines of every worker's log (best effort: the job's status has the verdict)."""
     try:
         logs, _ = tc.get_job_logs(name, namespace, is_master=False)
@@ -365,10 +401,15 @@ def _print_events(tc: TrainingClient, name: str, namespace: str, log: Callable[[
     ours = [e for e in items if e.involved_object.name == name or e.involved_object.name.startswith(f"{name}-worker-")]
 
     def when(e: k8s.CoreV1Event) -> tuple[str, int]:  # all UTC: text order is time order; then the order written
-        return str(e.last_timestamp or e.event_time or e.metadata.creation_timestamp or ""), int(e.metadata.resource_version or 0)
+        return str(e.last_timestamp or e.event_time or e.metadata.creation_timestamp or ""), int(
+            e.metadata.resource_version or 0
+        )
 
     ours.sort(key=when)
-    rows = [f"{e.type:<8} {e.reason:<22} {e.involved_object.kind.lower()}/{e.involved_object.name}: {e.message}" for e in ours[-lines:]]
+    rows = [
+        f"{e.type:<8} {e.reason:<22} {e.involved_object.kind.lower()}/{e.involved_object.name}: {e.message}"
+        for e in ours[-lines:]
+    ]
     log(f"--- events of {KIND} {namespace}/{name} (latest {len(rows)})\n" + "\n".join(rows))
 
 
@@ -379,7 +420,9 @@ def _delete_quietly(tc: TrainingClient, job: models.KubeflowOrgV1PyTorchJob, log
     may release it.
     """
     name, namespace = job.metadata.name, job.metadata.namespace or tc.namespace
-    wait_s = 15 + max(r.template.spec.termination_grace_period_seconds or 30 for r in job.spec.pytorch_replica_specs.values())
+    wait_s = 15 + max(
+        r.template.spec.termination_grace_period_seconds or 30 for r in job.spec.pytorch_replica_specs.values()
+    )
     try:
         tc.delete_job(name, namespace, delete_options=k8s.V1DeleteOptions(propagation_policy="Foreground"))
     except Exception as e:  # noqa: BLE001 (already gone is fine; report anything else)

@@ -51,15 +51,24 @@ def worker_command(cfg: TrainConfig, ft_launcher: str = "ft_launcher") -> list[s
     t = Timeouts(cfg.hang_timeout, cfg.inprocess_restart)
     return [
         ft_launcher,
-        "--ft-restart-policy", "any-failed",
-        "--ft-initial-rank-heartbeat-timeout", f"{t.initial_heartbeat:g}",
-        "--ft-rank-heartbeat-timeout", f"{t.heartbeat:g}",
-        "--ft-enable-nic-monitor", "false",
-        "--monitor-interval", "0.1",  # a rank's exit is seen within 0.1 s (torchrun's default; a check is cheap)
-        "--term-timeout", f"{cfg.grace_period:g}",  # a SIGTERM it forwards to the ranks: their time to checkpoint
-        "--workers-stop-timeout", "0",  # ranks it stops to restart them have nothing to save: SIGKILL at once
-        "-m", "trainer.launch.worker", *cfg.to_argv(),  # each rank forked by the node's zygote (trainer.launch.zygote)
-    ]  # fmt: skip
+        "--ft-restart-policy",
+        "any-failed",
+        "--ft-initial-rank-heartbeat-timeout",
+        f"{t.initial_heartbeat:g}",
+        "--ft-rank-heartbeat-timeout",
+        f"{t.heartbeat:g}",
+        "--ft-enable-nic-monitor",
+        "false",
+        "--monitor-interval",
+        "0.1",  # a rank's exit is seen within 0.1 s (torchrun's default; a check is cheap)
+        "--term-timeout",
+        f"{cfg.grace_period:g}",  # a SIGTERM it forwards to the ranks: their time to checkpoint
+        "--workers-stop-timeout",
+        "0",  # ranks it stops to restart them have nothing to save: SIGKILL at once
+        "-m",
+        "trainer.launch.worker",
+        *cfg.to_argv(),  # each rank forked by the node's zygote (trainer.launch.zygote)
+    ]
 
 
 def job_id(pid: int | None = None) -> str:
@@ -93,7 +102,9 @@ def job_from_parameters(params: Mapping[str, Any], *, data: str, run_dir: str) -
         ParameterError: a bad value, naming the parameter as it was given (``ckpt_every``, not ``--ckpt-every``).
     """
     with as_pipeline_parameters():
-        spec = LaunchSpec(nnodes=params["nnodes"], nproc_per_node=params["nproc_per_node"], max_restarts=params["max_restarts"])
+        spec = LaunchSpec(
+            nnodes=params["nnodes"], nproc_per_node=params["nproc_per_node"], max_restarts=params["max_restarts"]
+        )
         cfg = TrainConfig.from_mapping({**params, "data": data, "run_dir": run_dir, "world_size": spec.world_size})
         check_local_replicas(cfg, spec)
         return cfg, spec
@@ -102,7 +113,9 @@ def job_from_parameters(params: Mapping[str, Any], *, data: str, run_dir: str) -
 def check_launch(cfg: TrainConfig, spec: LaunchSpec, *, verify_data: bool = True) -> None:
     """Everything that can be refused before a process starts; raises ValueError naming it."""
     if cfg.world_size != spec.world_size:
-        raise ParameterError("world_size", f"{cfg.world_size} does not match nnodes x nproc_per_node = {spec.world_size}")
+        raise ParameterError(
+            "world_size", f"{cfg.world_size} does not match nnodes x nproc_per_node = {spec.world_size}"
+        )
     parse_fault_spec(cfg.fault, steps=cfg.steps, world_size=cfg.world_size, nnodes=spec.nnodes)  # NODE < nnodes
     check_local_replicas(cfg, spec)
     import torch
@@ -114,7 +127,9 @@ def check_launch(cfg: TrainConfig, spec: LaunchSpec, *, verify_data: bool = True
     if spec.nproc_per_node > max(cpus, 2):
         raise ParameterError("nproc_per_node", f"{spec.nproc_per_node} does not fit this machine ({cpus} CPUs)")
     try:
-        data = local_data(cfg.data, Path(cfg.run_dir))  # an s3:// data set is fetched (verified) into the run dir's cache
+        data = local_data(
+            cfg.data, Path(cfg.run_dir)
+        )  # an s3:// data set is fetched (verified) into the run dir's cache
         manifest = load_manifest(data)
         if verify_data:
             verify_shards(data, manifest)
@@ -148,9 +163,14 @@ def check_local_replicas(cfg: TrainConfig, spec: LaunchSpec) -> None:
     """Refuse peer replicas that no other node could hold (``--local-replicas``)."""
     replicas = cfg.replicas(spec.nnodes)
     if replicas and spec.nnodes == 1:
-        raise ParameterError("local_replicas", f"{replicas} replica(s) of local snapshots need other nodes to hold them, but nnodes is 1")
+        raise ParameterError(
+            "local_replicas", f"{replicas} replica(s) of local snapshots need other nodes to hold them, but nnodes is 1"
+        )
     if replicas >= spec.nnodes:
-        problem = f"{replicas} replicas of local snapshots need {replicas + 1} nodes (one per copy), but nnodes is {spec.nnodes}"
+        problem = (
+            f"{replicas} replicas of local snapshots need {replicas + 1} nodes (one per copy), "
+            f"but nnodes is {spec.nnodes}"
+        )
         raise ParameterError("local_replicas", problem)
 
 
@@ -178,9 +198,9 @@ def check_local_tier(cfg: TrainConfig, spec: LaunchSpec, *, free_bytes: int, par
         held = f" (and of the peers they hold replicas of, --local-replicas {replicas})" if replicas else ""
         raise ParameterError(
             "local_ckpt_every",
-            f"{LOCAL_SNAPSHOTS} local snapshots of each of {spec.nproc_per_node} ranks on a node{held} need {need / 2**20:,.0f} MiB "
-            f"of /dev/shm (model {cfg.model}, world size {spec.world_size}), but {free_bytes / 2**20:,.0f} MiB are free "
-            "(--local-ckpt-every 0: no local tier)",
+            f"{LOCAL_SNAPSHOTS} local snapshots of each of {spec.nproc_per_node} ranks on a node{held} "
+            f"need {need / 2**20:,.0f} MiB of /dev/shm (model {cfg.model}, world size {spec.world_size}), "
+            f"but {free_bytes / 2**20:,.0f} MiB are free (--local-ckpt-every 0: no local tier)",
         )
 
 
@@ -295,7 +315,12 @@ class SameHost:
 
 
 def launch_local(
-    cfg: TrainConfig, spec: LaunchSpec, *, progress: bool = True, log_dir: Path | None = None, placement: Placement | None = None
+    cfg: TrainConfig,
+    spec: LaunchSpec,
+    *,
+    progress: bool = True,
+    log_dir: Path | None = None,
+    placement: Placement | None = None,
 ) -> int:
     """Run the job as local processes (one ft_launcher per replica, placed by ``placement``,
     default :class:`SameHost`) and wait for it.
@@ -321,7 +346,12 @@ def launch_local(
         }
         argv = worker_command(cfg, str(Path(sys.executable).parent / "ft_launcher"))
         replicas = [
-            _Replica(placement.replica_command(n, argv), {**env, **placement.replica_env(n)}, log_dir / f"replica_{n}.log", keep_fd=lock_fd)
+            _Replica(
+                placement.replica_command(n, argv),
+                {**env, **placement.replica_env(n)},
+                log_dir / f"replica_{n}.log",
+                keep_fd=lock_fd,
+            )
             for n in range(spec.nnodes)
         ]
         budget = spec.max_restarts if placement.restart_on_failure else 0
@@ -333,7 +363,9 @@ def launch_local(
         finally:
             for replica in replicas:  # a job still running here was interrupted: it is preempted
                 replica.stop(cfg.grace_period + 10)
-            if cfg.local_ckpt_every:  # memory: nothing of the tier outlives the job (a later resume takes the durable tier)
+            if (
+                cfg.local_ckpt_every
+            ):  # memory: nothing of the tier outlives the job (a later resume takes the durable tier)
                 shutil.rmtree(local_tier_dir(run_dir, cfg.trajectory_hash()), ignore_errors=True)
         if code:
             try:
@@ -355,9 +387,14 @@ class _Replica:
         """Start (or restart) the launcher; its output is appended to the replica's log."""
         self._log = self._log or open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
-            self.command, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(self.keep_fd,),
+            self.command,
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            pass_fds=(self.keep_fd,),
             preexec_fn=die_with_parent,  # a launcher killed outright preempts its replicas instead of orphaning them
-        )  # fmt: skip
+        )
 
     def poll(self) -> int | None:
         """The launcher's exit code, None while it runs."""
@@ -388,7 +425,13 @@ def _terminate(proc: subprocess.Popen, grace_s: float) -> None:
 
 
 def _wait_with_progress(
-    cfg: TrainConfig, replicas: list[_Replica], budget: int, injector: NodeFaultInjector | None, job_id: str, *, show: bool
+    cfg: TrainConfig,
+    replicas: list[_Replica],
+    budget: int,
+    injector: NodeFaultInjector | None,
+    job_id: str,
+    *,
+    show: bool,
 ) -> int:
     """Wait for the replicas and return the job's exit code. While they run: show step, loss,
     tokens/s and restarts, fire node faults as the steps go by, and restart a failed replica

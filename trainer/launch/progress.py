@@ -26,7 +26,9 @@ class TrainingProgress:
         start: byte offset of ``events.jsonl`` to follow from (default: its size now).
     """
 
-    def __init__(self, run_dir: Path, last: int, *, show: bool = True, out: TextIO | None = None, start: int | None = None) -> None:
+    def __init__(
+        self, run_dir: Path, last: int, *, show: bool = True, out: TextIO | None = None, start: int | None = None
+    ) -> None:
         self.last, self.show, self.restarts = last, show, 0
         self._tail = EventTail(run_dir, start=start)
         columns = (TextColumn("train"), BarColumn(), TextColumn("{task.description}"), TimeElapsedColumn())

@@ -47,7 +47,8 @@ def check_run_name(name: str) -> str:
     if len(name) > RUN_NAME_MAX or not _DNS_1035.match(name):
         raise ParameterError(
             "training_run",
-            f"{name!r} is not a DNS-1035 label of at most {RUN_NAME_MAX} characters (a-z, 0-9, '-'; starting with a letter)",
+            f"{name!r} is not a DNS-1035 label of at most {RUN_NAME_MAX} characters "
+            "(a-z, 0-9, '-'; starting with a letter)",
             style="parameter",
         )
     return name

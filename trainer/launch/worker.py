@@ -63,7 +63,10 @@ def socket_dir() -> Path | None:
         return None
     info = os.lstat(path)
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
-        print(f"rfsdp worker: not using {path} for the zygote's socket (not a private folder of this user's)", file=sys.stderr)
+        print(
+            f"rfsdp worker: not using {path} for the zygote's socket (not a private folder of this user's)",
+            file=sys.stderr,
+        )
         return None
     return path
 
@@ -114,8 +117,10 @@ def _start_zygote(address: str, agent_pid: int) -> None:
     """
     subprocess.Popen(
         [sys.executable, "-m", ZYGOTE_MODULE, address, str(agent_pid)],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True,  # stderr: the worker's log
-    )  # fmt: skip
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,  # stderr: the worker's log
+    )
 
 
 def _exit_like(status: int) -> None:
@@ -163,7 +168,10 @@ def _serve_through(sock: socket.socket, args: list[str]) -> None:
     socket.send_fds(sock, [json.dumps(request_of(args, dict(os.environ))).encode()], [0, 1, 2])
     reply = json.loads(sock.recv(_MAX_MESSAGE) or b"{}")
     if "pid" not in reply:
-        print(f"rfsdp worker: the zygote did not start the rank ({reply.get('error', 'no reply')}): running it here", file=sys.stderr)
+        print(
+            f"rfsdp worker: the zygote did not start the rank ({reply.get('error', 'no reply')}): running it here",
+            file=sys.stderr,
+        )
         sock.close()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)

@@ -153,7 +153,9 @@ def _accept(listener: socket.socket, agent_pid: int) -> tuple[socket.socket, Req
     """
     conn, _ = listener.accept()
     try:
-        data, fds, _, _ = socket.recv_fds(conn, _MAX_MESSAGE, 3)  # read before any reply: a refused client reads its reason
+        data, fds, _, _ = socket.recv_fds(
+            conn, _MAX_MESSAGE, 3
+        )  # read before any reply: a refused client reads its reason
     except OSError as e:
         _refuse(conn, f"bad request: {e}")
         return None
@@ -288,7 +290,9 @@ def main() -> None:
     """``python -m trainer.launch.zygote ADDRESS AGENT_PID`` (started by ``trainer.launch.worker``)."""
     address, agent_pid = sys.argv[1], int(sys.argv[2])
     request = serve(address, agent_pid)
-    if request is None:  # the zygote itself, done: nothing of it needs a teardown (its sockets go with it), so it ends at once
+    if (
+        request is None
+    ):  # the zygote itself, done: nothing of it needs a teardown (its sockets go with it), so it ends at once
         os._exit(0)
     run_rank(request, agent_pid)
 

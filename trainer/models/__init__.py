@@ -21,7 +21,9 @@ def check_model_name(name: str) -> None:
     """Refuse a ``--model`` that is none of the three forms (without loading anything)."""
     if name in MODEL_SIZES or (name.startswith(("hf:", "py:")) and len(name) > 3):
         return
-    raise ParameterError("model", f"unknown model {name!r} (known: {', '.join(MODEL_SIZES)}, hf:PATH, py:package.module:factory)")
+    raise ParameterError(
+        "model", f"unknown model {name!r} (known: {', '.join(MODEL_SIZES)}, hf:PATH, py:package.module:factory)"
+    )
 
 
 def build_model(name: str, *, cache: Path | None = None, meta: bool = False) -> ModelSpec:

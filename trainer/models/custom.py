@@ -33,7 +33,9 @@ def build(target: str) -> ModelSpec:
         raise ParameterError("model", f"py:{target}: {module_name} has no function {factory_name}")
     spec = factory()
     if not isinstance(spec, ModelSpec):
-        raise ParameterError("model", f"py:{target}: {factory_name}() returned a {type(spec).__name__}, not a ModelSpec (docs/models.md)")
+        raise ParameterError(
+            "model", f"py:{target}: {factory_name}() returned a {type(spec).__name__}, not a ModelSpec (docs/models.md)"
+        )
     if not spec.fsdp_units():
         raise ParameterError("model", f"py:{target}: its fsdp_units() is empty (at least one submodule to shard)")
     return spec

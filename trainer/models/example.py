@@ -18,12 +18,15 @@ from trainer.models.spec import causal_lm_loss
 class TinyDecoder(nn.Module):
     """Token embedding, learned positions, causal PyTorch encoder layers, a head."""
 
-    def __init__(self, vocab_size: int = 256, dim: int = 64, layers: int = 2, heads: int = 4, seq_len: int = 64) -> None:
+    def __init__(
+        self, vocab_size: int = 256, dim: int = 64, layers: int = 2, heads: int = 4, seq_len: int = 64
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab_size, dim)
         self.pos = nn.Embedding(seq_len, dim)
         self.layers = nn.ModuleList(
-            nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True) for _ in range(layers)
+            nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(layers)
         )
         self.head = nn.Linear(dim, vocab_size, bias=False)
 

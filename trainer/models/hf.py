@@ -111,7 +111,9 @@ def load_config(directory: Path):  # -> transformers.PretrainedConfig
     try:
         return AutoConfig.from_pretrained(directory, local_files_only=True)
     except Exception as e:
-        raise ParameterError("model", f"hf:{directory}: transformers cannot read its {CONFIG} ({type(e).__name__}: {e})") from None
+        raise ParameterError(
+            "model", f"hf:{directory}: transformers cannot read its {CONFIG} ({type(e).__name__}: {e})"
+        ) from None
 
 
 def weight_files(directory: Path) -> list[Path]:
@@ -160,9 +162,13 @@ class HfModel:
             with build:
                 self.module = AutoModelForCausalLM.from_config(self.config, dtype=torch.float32)
         except Exception as e:
-            raise ParameterError("model", f"hf:{path}: transformers cannot build a causal LM from it ({type(e).__name__}: {e})") from None
+            raise ParameterError(
+                "model", f"hf:{path}: transformers cannot build a causal LM from it ({type(e).__name__}: {e})"
+            ) from None
         self.vocab_size = int(self.config.vocab_size)
-        self.seq_len = min(DEFAULT_SEQ_LEN, int(getattr(self.config, "max_position_embeddings", None) or DEFAULT_SEQ_LEN))
+        self.seq_len = min(
+            DEFAULT_SEQ_LEN, int(getattr(self.config, "max_position_embeddings", None) or DEFAULT_SEQ_LEN)
+        )
 
     def fsdp_units(self) -> list[nn.Module]:
         """The decoder layers."""
@@ -170,7 +176,9 @@ class HfModel:
         # (by any class in the MRO: once sharded, a layer's class is FSDP's subclass of its own)
         units = [m for m in self.module.modules() if names.intersection(c.__name__ for c in type(m).__mro__)]
         if not units:
-            raise ParameterError("model", f"{type(self.module).__name__} names no decoder layer class (_no_split_modules)")
+            raise ParameterError(
+                "model", f"{type(self.module).__name__} names no decoder layer class (_no_split_modules)"
+            )
         return units
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -205,9 +213,17 @@ class HfModel:
 
 
 _DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
-    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-}  # fmt: skip
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 """The safetensors dtype names this reader maps."""
 
 
@@ -232,10 +248,16 @@ def mapped_tensors(file: Path) -> dict[str, torch.Tensor]:
     for name, info in header.items():
         dtype = _DTYPES.get(info["dtype"])
         if dtype is None:
-            raise ParameterError("model", f"{file}: tensor {name} has dtype {info['dtype']}, which this trainer does not read")
+            raise ParameterError(
+                "model", f"{file}: tensor {name} has dtype {info['dtype']}, which this trainer does not read"
+            )
         begin, end = info["data_offsets"]
         count = (end - begin) // dtype.itemsize
-        flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=start + begin) if count else torch.empty(0, dtype=dtype)
+        flat = (
+            torch.frombuffer(mapped, dtype=dtype, count=count, offset=start + begin)
+            if count
+            else torch.empty(0, dtype=dtype)
+        )
         tensors[name] = flat.view(info["shape"])
     return tensors
 
@@ -267,4 +289,6 @@ def read_weights(module: nn.Module, files: list[Path]) -> None:
             if local.numel():
                 local.copy_(stored)  # (converts the dtype: bf16 weights into fp32 parameters)
     if params:
-        raise ParameterError("model", f"the weights lack {', '.join(sorted(params)[:3])}{' and more' if len(params) > 3 else ''}")
+        raise ParameterError(
+            "model", f"the weights lack {', '.join(sorted(params)[:3])}{' and more' if len(params) > 3 else ''}"
+        )

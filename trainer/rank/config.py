@@ -25,9 +25,19 @@ a recovery to the durable checkpoint costs (docs/checkpoints.md). A larger model
 
 # Fields that define the training trajectory: resuming a run dir requires them to match.
 TRAJECTORY_FIELDS = (
-    "model", "seed", "steps", "batch_size", "seq_len", "grad_accum_steps", "lr", "warmup_steps",
-    "min_lr_ratio", "weight_decay", "grad_clip", "world_size",
-)  # fmt: skip
+    "model",
+    "seed",
+    "steps",
+    "batch_size",
+    "seq_len",
+    "grad_accum_steps",
+    "lr",
+    "warmup_steps",
+    "min_lr_ratio",
+    "weight_decay",
+    "grad_clip",
+    "world_size",
+)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -118,13 +128,20 @@ class TrainConfig:
         if self.log_every < 0:
             raise ParameterError("log_every", f"must be at least 0, got {self.log_every}")
         if self.local_ckpt_every < -1:
-            raise ParameterError("local_ckpt_every", f"must be at least 1 (or 0: off, -1: the default rule), got {self.local_ckpt_every}")
+            raise ParameterError(
+                "local_ckpt_every", f"must be at least 1 (or 0: off, -1: the default rule), got {self.local_ckpt_every}"
+            )
         if self.local_ckpt_every == -1:
             self.local_ckpt_every = 1 if self.model in LOCAL_TIER_MODELS else 0
         if self.local_replicas < -1:
-            raise ParameterError("local_replicas", f"must be at least 0 (or -1: the default rule), got {self.local_replicas}")
+            raise ParameterError(
+                "local_replicas", f"must be at least 0 (or -1: the default rule), got {self.local_replicas}"
+            )
         if self.local_replicas > 0 and not self.local_ckpt_every:
-            raise ParameterError("local_replicas", f"{self.local_replicas} replica(s) of local snapshots need --local-ckpt-every (0: off)")
+            raise ParameterError(
+                "local_replicas",
+                f"{self.local_replicas} replica(s) of local snapshots need --local-ckpt-every (0: off)",
+            )
         if self.max_inprocess_restarts < 0:
             raise ParameterError("max_inprocess_restarts", f"must be at least 0, got {self.max_inprocess_restarts}")
         if self.max_bug_retries < 0:
@@ -151,15 +168,26 @@ class TrainConfig:
         if self.grace_period < 5:
             raise ParameterError("grace_period", f"must be at least 5 s, got {self.grace_period}")
         if self.system_metrics_every and self.system_metrics_every < 1:
-            raise ParameterError("system_metrics_every", f"must be 0 (off) or at least 1 s, got {self.system_metrics_every}")
+            raise ParameterError(
+                "system_metrics_every", f"must be 0 (off) or at least 1 s, got {self.system_metrics_every}"
+            )
         if self.hang_timeout < 5:
             raise ParameterError("hang_timeout", f"must be at least 5 s, got {self.hang_timeout}")
         self.faults = parse_fault_spec(self.fault, steps=self.steps, world_size=self.world_size)
         for f in self.faults:
-            if isinstance(f, Fault) and f.kind == "corrupt-local" and not (self.local_ckpt_every and f.step > self.local_ckpt_every):
-                raise ParameterError("fault", f"{f.key} corrupts a local snapshot: it needs --local-ckpt-every below step {f.step}")
+            if (
+                isinstance(f, Fault)
+                and f.kind == "corrupt-local"
+                and not (self.local_ckpt_every and f.step > self.local_ckpt_every)
+            ):
+                raise ParameterError(
+                    "fault", f"{f.key} corrupts a local snapshot: it needs --local-ckpt-every below step {f.step}"
+                )
             if isinstance(f, Fault) and f.phase and (self.ckpt_mode != "async" or not self.saves_at(f.step)):
-                raise ParameterError("fault", f"{f.key} fires inside a save, but step {f.step} has no async save (every {self.ckpt_every})")
+                raise ParameterError(
+                    "fault",
+                    f"{f.key} fires inside a save, but step {f.step} has no async save (every {self.ckpt_every})",
+                )
 
     def saves_at(self, step: int) -> bool:
         """True when the run checkpoints at ``step`` (every ``ckpt_every`` steps and its last)."""
@@ -213,7 +241,9 @@ def replica_cliques(nnodes: int, nproc_per_node: int, replicas: int) -> list[lis
         return [[rank] for rank in range(nnodes * nproc_per_node)]
     starts = list(range(0, nnodes - size + 1, size))
     node_groups = [range(start, start + size) for start in starts[:-1]] + [range(starts[-1], nnodes)]
-    return [[node * nproc_per_node + local for node in nodes] for nodes in node_groups for local in range(nproc_per_node)]
+    return [
+        [node * nproc_per_node + local for node in nodes] for nodes in node_groups for local in range(nproc_per_node)
+    ]
 
 
 def config_defaults() -> dict[str, Any]:
@@ -240,7 +270,9 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, include_world: bool 
             kind = {"int": int, "float": float}.get(f.type, str)
             text += "" if required else " (default: %(default)r)"
             default = None if required else f.default
-            parser.add_argument(flag, type=kind, required=required, default=default, choices=choices.get(f.name), help=text)
+            parser.add_argument(
+                flag, type=kind, required=required, default=default, choices=choices.get(f.name), help=text
+            )
 
 
 def _field_docs() -> dict[str, str]:

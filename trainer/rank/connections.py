@@ -82,7 +82,9 @@ class CollectiveConnections:
                 continue
             with socket.socket(fileno=duplicate) as sock:
                 try:
-                    if sock.family in (socket.AF_INET, socket.AF_INET6) and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    if sock.family in (socket.AF_INET, socket.AF_INET6) and not sock.getsockopt(
+                        socket.SOL_SOCKET, socket.SO_ACCEPTCONN
+                    ):
                         sock.shutdown(socket.SHUT_RDWR)
                         cut += 1
                 except OSError:  # never connected, or already shut

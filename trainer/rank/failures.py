@@ -44,7 +44,9 @@ INFRASTRUCTURE, BUG = "infrastructure", "bug"
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 """Origins inside it are written relative to it (``trainer/faults.py:123``)."""
 _THIS_FILE = str(Path(__file__).resolve())
-_LIBRARY_PATHS = tuple({str(Path(p).resolve()) for key in ("stdlib", "platstdlib", "purelib", "platlib") if (p := sysconfig.get_path(key))})
+_LIBRARY_PATHS = tuple(
+    {str(Path(p).resolve()) for key in ("stdlib", "platstdlib", "purelib", "platlib") if (p := sysconfig.get_path(key))}
+)
 _TRANSPORT = re.compile(r"connection|closed|reset|timed? ?out|abort|peer|socket|broken pipe|nccl|gloo", re.IGNORECASE)
 """What a collective's error says when its peer or link is gone (gloo: "Connection closed by peer")."""
 
@@ -131,11 +133,20 @@ class Failures:
         category, what = kind
         error_type = f"{type(error).__module__}.{type(error).__qualname__}"
         where = origin(error)
-        before = [f for f in self._session() if (f.rank, f.error_type, f.origin, f.step) == (self.rank, error_type, where, self.step)]
+        before = [
+            f
+            for f in self._session()
+            if (f.rank, f.error_type, f.origin, f.step) == (self.rank, error_type, where, self.step)
+        ]
         failure = Failure(
-            category=category, kind=what, error_type=error_type, error=f"{type(error).__name__}: {error}", origin=where, step=self.step,
+            category=category,
+            kind=what,
+            error_type=error_type,
+            error=f"{type(error).__name__}: {error}",
+            origin=where,
+            step=self.step,
             occurrence=len(before) + 1,
-        )  # fmt: skip
+        )
         with contextlib.suppress(OSError):  # a full volume: the error itself says what to do
             EventLog(self.run_dir, self.rank).emit(failure)
         if category != BUG or failure.occurrence <= self.max_bug_retries:
@@ -144,9 +155,12 @@ class Failures:
         times = f"met {met} time{'s' * (met > 1)}, --max-bug-retries {self.max_bug_retries}"
         return Fatal(
             error=f"suspected bug at {at}, {where}: {failure.error} ({times})",
-            job=self.job, reason=BUG, step=self.step, origin=where,
+            job=self.job,
+            reason=BUG,
+            step=self.step,
+            origin=where,
             traceback="".join(traceback.format_exception(error)),
-        )  # fmt: skip
+        )
 
     def _session(self) -> Iterator[Failure]:
         try:

@@ -65,7 +65,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_fsdp_model(name: str, rt: Runtime, seed: int, *, activation_checkpointing: bool = False, cache: Path | None = None) -> ModelSpec:
+def build_fsdp_model(
+    name: str, rt: Runtime, seed: int, *, activation_checkpointing: bool = False, cache: Path | None = None
+) -> ModelSpec:
     """The model ``name`` (see :func:`trainer.models.build_model`), identically initialized on
     every rank, sharded with FSDP2 per unit, then the root; a model built on the meta device gets
     its memory and weights once sharded (each rank reads only its own shards).
@@ -79,7 +81,11 @@ def shard_model(spec: ModelSpec, rt: Runtime, *, activation_checkpointing: bool 
     on_meta = any(p.is_meta for p in spec.module.parameters())
     if not on_meta:
         spec.module.to(rt.device)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if rt.is_cuda else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if rt.is_cuda
+        else MixedPrecisionPolicy()
+    )
     for unit in spec.fsdp_units():
         if activation_checkpointing:
             recompute_in_backward(unit)

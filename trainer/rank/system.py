@@ -77,7 +77,11 @@ class SystemSampler:
             try:
                 self.events.emit(SystemSample(node=self.node, metrics=self.sample()))
             except Exception as e:  # noqa: BLE001 - a sampler that fails must never cost the training anything
-                print(f"rank {self.events.rank}: system metrics stopped: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                print(
+                    f"rank {self.events.rank}: system metrics stopped: {type(e).__name__}: {e}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return
 
 

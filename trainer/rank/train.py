@@ -131,7 +131,12 @@ class TrainState:
     """What a checkpoint holds: sharded model + optimizer, and each rank's loader, RNG, counters."""
 
     def __init__(
-        self, spec: ModelSpec, optimizer: torch.optim.Optimizer, loader: TokenLoader, monitor: RankMonitor, group: dist.ProcessGroup
+        self,
+        spec: ModelSpec,
+        optimizer: torch.optim.Optimizer,
+        loader: TokenLoader,
+        monitor: RankMonitor,
+        group: dist.ProcessGroup,
     ) -> None:
         self.spec, self.model = spec, spec.module
         self.optimizer, self.loader, self.monitor, self.group = optimizer, loader, monitor, group
@@ -146,7 +151,12 @@ class TrainState:
 
     def snapshot_rank_state(self, step: int) -> dict:
         """This rank's small state: step, loader position, RNG, rank monitor."""
-        return {"step": step, "loader": self.loader.state_dict(), "rng": rng_state(), "rank_monitor": self.monitor.state_dict()}
+        return {
+            "step": step,
+            "loader": self.loader.state_dict(),
+            "rng": rng_state(),
+            "rank_monitor": self.monitor.state_dict(),
+        }
 
     def load(self, path: Path) -> None:
         """Restore everything from a published checkpoint directory."""
@@ -167,7 +177,9 @@ class TrainState:
             self._live_shards = _local_shards(tensors)
         else:
             rank_state = self.snapshot_rank_state(step)
-            for saved, live in zip(self._live_shards["optim"]["param_groups"], self.optimizer.param_groups, strict=True):
+            for saved, live in zip(
+                self._live_shards["optim"]["param_groups"], self.optimizer.param_groups, strict=True
+            ):
                 saved.update((k, v) for k, v in live.items() if k != "params")  # "params": the names DCP mapped them to
         return {"tensors": self._live_shards, "rank": rank_state}
 
@@ -175,7 +187,9 @@ class TrainState:
         """Restore everything from what :meth:`local_snapshot` returned."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)  # the live shards, to copy into
         template = _copy_shards_into({"model": model_sd, "optim": optim_sd}, snapshot["tensors"])
-        set_state_dict(self.model, self.optimizer, model_state_dict=template["model"], optim_state_dict=template["optim"])
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=template["model"], optim_state_dict=template["optim"]
+        )
         self._live_shards = None  # loading may give the optimizer new tensors
         self._load_rank_state(snapshot["rank"])
 
@@ -282,7 +296,9 @@ def train(
     suspected bug past its retries (``trainer.rank.failures``), end the job here, before
     in-process restart could retry them; every other failure is recorded and restarted.
     """
-    failures = Failures(Path(cfg.run_dir), int(os.environ.get("RANK", 0)), max_bug_retries=cfg.max_bug_retries, job=_job_id())
+    failures = Failures(
+        Path(cfg.run_dir), int(os.environ.get("RANK", 0)), max_bug_retries=cfg.max_bug_retries, job=_job_id()
+    )
     try:
         _train(cfg, writer, mirror, preemption, startup, attempt, failures)
     except BaseException as e:  # DCP's CheckpointException is a BaseException
@@ -308,7 +324,9 @@ def end_job_fatally(run_dir: Path, cause: BaseException, fatal: Fatal | None = N
     with contextlib.suppress(OSError):
         EventLog(run_dir, int(os.environ.get("RANK", 0))).emit(fatal)
     with contextlib.suppress(OSError):
-        print(f"rank {os.environ.get('RANK')}: fatal, no restart can fix this: {fatal.error}", file=sys.stderr, flush=True)
+        print(
+            f"rank {os.environ.get('RANK')}: fatal, no restart can fix this: {fatal.error}", file=sys.stderr, flush=True
+        )
         if fatal.traceback:
             print(fatal.traceback, file=sys.stderr, flush=True)
     os._exit(FATAL_EXIT_CODE)  # not an exception: in-process restart would retry it
@@ -340,10 +358,14 @@ def _train(
 ) -> None:
     marks = dict(startup)  # a recovery's timeline (the restart event's phases): when each stage ended
     launched = marks.pop("launcher_started")  # what a start's timeline (run_start's phases) counts from
-    if attempt.store_port is not None:  # the wrapper's monitor process, store and barrier: every rank is in this iteration
+    if (
+        attempt.store_port is not None
+    ):  # the wrapper's monitor process, store and barrier: every rank is in this iteration
         marks["wrapper_ready"] = time.time()
     rt = detect_runtime()
-    marks["runtime"] = time.time()  # the device and deterministic kernels (a new process imports torch._dynamo here: seconds)
+    marks["runtime"] = (
+        time.time()
+    )  # the device and deterministic kernels (a new process imports torch._dynamo here: seconds)
     timeouts = Timeouts(cfg.hang_timeout, cfg.inprocess_restart)
     store = make_store(attempt, timeouts.barrier)
     if store is not None:  # every rank has joined this attempt's store
@@ -362,14 +384,20 @@ def _train(
     run_dir = Path(cfg.run_dir)
     events = EventLog(run_dir, rt.rank)
     history = read_history(run_dir) if rt.rank == 0 else RunHistory()
-    layer = recovery_layer(history, in_process_iteration=attempt.in_process_iteration, in_job_restart=attempt.in_job_restart)
+    layer = recovery_layer(
+        history, in_process_iteration=attempt.in_process_iteration, in_job_restart=attempt.in_job_restart
+    )
 
     monitor = RankMonitor()
     marks["rank_monitor"] = time.time()
-    spec = build_fsdp_model(cfg.model, rt, cfg.seed, activation_checkpointing=cfg.activation_checkpointing, cache=run_dir / "model_cache")
+    spec = build_fsdp_model(
+        cfg.model, rt, cfg.seed, activation_checkpointing=cfg.activation_checkpointing, cache=run_dir / "model_cache"
+    )
     model, seq_len = spec.module, cfg.seq_len or spec.seq_len
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    loader = TokenLoader(load_split(local_data(cfg.data, run_dir), "train"), seq_len, cfg.batch_size, rt.rank, rt.world_size)
+    loader = TokenLoader(
+        load_split(local_data(cfg.data, run_dir), "train"), seq_len, cfg.batch_size, rt.rank, rt.world_size
+    )
     state = TrainState(spec, optimizer, loader, monitor, ckpt_group)
     local = None
     if cfg.local_ckpt_every:
@@ -381,13 +409,24 @@ def _train(
             replication = replication_groups(cliques, resume_timeout_s=timeouts.barrier, save_timeout_s=save_timeout)
         if (refused := local_tier_refused(ckpt_group)) is None:
             local = LocalTier(
-                tier_dir, every=cfg.local_ckpt_every, group=ckpt_group, save_group=save_group, events=events,
+                tier_dir,
+                every=cfg.local_ckpt_every,
+                group=ckpt_group,
+                save_group=save_group,
+                events=events,
                 replication=replication,
-            )  # fmt: skip
+            )
         elif rt.rank == 0:
-            events.emit(RunWarning(kind="local_tier_off", step=0, reason=f"{refused}; training goes on with the durable tier"))
+            events.emit(
+                RunWarning(kind="local_tier_off", step=0, reason=f"{refused}; training goes on with the durable tier")
+            )
     faults = FaultInjector(
-        cfg.faults, run_dir, rt.rank, events, local_newest=local.newest_own if local else None, poison=partial(poison_parameters, model)
+        cfg.faults,
+        run_dir,
+        rt.rank,
+        events,
+        local_newest=local.newest_own if local else None,
+        poison=partial(poison_parameters, model),
     )
     marks["model_built"] = time.time()
 
@@ -399,10 +438,20 @@ def _train(
     report_progress_within_steps(spec.fsdp_units(), alive_within_work)
 
     checkpointer = Checkpointer(
-        run_dir, writer=writer, group=ckpt_group, save_group=save_group, events=events, every=cfg.ckpt_every,
-        keep_last=cfg.keep_last, fingerprint=cfg.trajectory_hash(), heartbeat=alive_within_work, hang_timeout=cfg.hang_timeout,
-        on_published=mirror.submit if mirror else None, on_phase=faults.maybe_fire, atomic=attempt.atomic,
-    )  # fmt: skip
+        run_dir,
+        writer=writer,
+        group=ckpt_group,
+        save_group=save_group,
+        events=events,
+        every=cfg.ckpt_every,
+        keep_last=cfg.keep_last,
+        fingerprint=cfg.trajectory_hash(),
+        heartbeat=alive_within_work,
+        hang_timeout=cfg.hang_timeout,
+        on_published=mirror.submit if mirror else None,
+        on_phase=faults.maybe_fire,
+        atomic=attempt.atomic,
+    )
 
     def before_update(*_: object) -> None:  # (a step pre-hook returns None)
         checkpointer.before_update()
@@ -428,14 +477,20 @@ def _train(
         failures.step = step
         faults.maybe_fire(step)
         t0 = time.perf_counter()
-        loss, stop = train_step(state, lr_at(cfg, step), cfg.grad_clip, rt.device, accum=cfg.grad_accum_steps, stop=preemption.requested)
+        loss, stop = train_step(
+            state, lr_at(cfg, step), cfg.grad_clip, rt.device, accum=cfg.grad_accum_steps, stop=preemption.requested
+        )
         step_time = time.perf_counter() - t0
         alive()
         check_loss(step, loss)  # a NaN or Inf loss is a bug: this step is neither logged nor saved
         if rt.rank == 0:
             done = events.emit(Step(step=step, loss=loss, step_time_s=step_time, tokens=tokens_per_step))
             restart = (
-                events.emit(describe_restart(history, layer=layer, resumed_from=start, first_step=done, marks=marks, source=source))
+                events.emit(
+                    describe_restart(
+                        history, layer=layer, resumed_from=start, first_step=done, marks=marks, source=source
+                    )
+                )
                 if layer and step == start + 1
                 else None
             )
@@ -459,7 +514,9 @@ def _train(
     dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None, *, startup: dict[str, float] | None = None, launcher_started: float | None = None) -> None:
+def main(
+    argv: list[str] | None = None, *, startup: dict[str, float] | None = None, launcher_started: float | None = None
+) -> None:
     """Parse the config and train, inside the in-process restart wrapper when enabled.
 
     Args:
@@ -476,7 +533,9 @@ def main(argv: list[str] | None = None, *, startup: dict[str, float] | None = No
     # launcher started, its restarts end at once. (The job id alone is not enough: on Kubernetes it
     # is "none" unless elasticPolicy.rdzvId is set. A new job, once the cause is fixed, starts normally.)
     launcher_started = launcher_started or process_start_time(os.getppid())
-    startup = {"launcher_started": launcher_started} | (startup or {"process_started": process_start_time(), "imports_done": IMPORTED_AT})
+    startup = {"launcher_started": launcher_started} | (
+        startup or {"process_started": process_start_time(), "imports_done": IMPORTED_AT}
+    )
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     # A PyTorchJob applied with kubectl has no launcher of ours in front of it to make the run dir
     # and check, then record, the run's identity: rank 0 does it (again, for one that had).
@@ -487,7 +546,10 @@ def main(argv: list[str] | None = None, *, startup: dict[str, float] | None = No
         except ParameterError as e:
             end_job_fatally(Path(cfg.run_dir), e)
     if restarted and (fatal := fatal_error(read_events(Path(cfg.run_dir), [Fatal]), _job_id(), since=launcher_started)):
-        print(f"rank {os.environ.get('RANK')}: not restarting, the job met an error no restart can fix: {fatal.error}", file=sys.stderr)
+        print(
+            f"rank {os.environ.get('RANK')}: not restarting, the job met an error no restart can fix: {fatal.error}",
+            file=sys.stderr,
+        )
         sys.exit(FATAL_EXIT_CODE)
     cuda = torch.cuda.is_available()
     die_with_parent()  # a launcher that is gone preempts this rank: nothing outlives it

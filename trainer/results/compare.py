@@ -175,18 +175,39 @@ def comparison_table(runs: list[RunRecord]) -> pd.DataFrame:
     restarts whose fault was a node fault, already counted in ``restarts in-job``).
     """
     columns = [
-        "experiment", "ckpt mode", "faults", "model", "goodput", "restarts in-process", "restarts in-job",
-        "restarts after node faults", "recovery p50 s", "recovery max s", "lost steps", "ckpt stall p50 s", "final loss",
-    ]  # fmt: skip
+        "experiment",
+        "ckpt mode",
+        "faults",
+        "model",
+        "goodput",
+        "restarts in-process",
+        "restarts in-job",
+        "restarts after node faults",
+        "recovery p50 s",
+        "recovery max s",
+        "lost steps",
+        "ckpt stall p50 s",
+        "final loss",
+    ]
     rows = []
     for r in runs:
         s = r.summary
         node = sum(recovery_layer(restart, fault) == "node" for restart, fault in restarts_with_faults(r.events))
         values = [
-            r.experiment, r.params.get("ckpt_mode"), r.params.get("fault"), r.params.get("model"), s["goodput"],
-            s["restarts_in_process"], s["restarts_in_job"], node, s["recovery_s_p50"], s["recovery_s_max"],
-            s["lost_steps"], s["ckpt_blocking_s_p50"], s["final_loss"],
-        ]  # fmt: skip
+            r.experiment,
+            r.params.get("ckpt_mode"),
+            r.params.get("fault"),
+            r.params.get("model"),
+            s["goodput"],
+            s["restarts_in_process"],
+            s["restarts_in_job"],
+            node,
+            s["recovery_s_p50"],
+            s["recovery_s_max"],
+            s["lost_steps"],
+            s["ckpt_blocking_s_p50"],
+            s["final_loss"],
+        ]
         rows.append(dict(zip(columns, values, strict=True)))
     return pd.DataFrame(rows, columns=columns, index=pd.Index([r.label for r in runs], name="run"))
 
@@ -372,7 +393,9 @@ def timeline(run: RunRecord) -> Timeline:
         }
         for e in lines
     ]
-    faults = [{"t": e.time - t0, "step": e.step, "kind": e.kind, "rank": e.rank} for e in select(run.events, FaultFired)]
+    faults = [
+        {"t": e.time - t0, "step": e.step, "kind": e.kind, "rank": e.rank} for e in select(run.events, FaultFired)
+    ]
     restarts = [
         {
             "t_fault": e.time - t0 - e.recovery_s,

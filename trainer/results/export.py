@@ -48,7 +48,18 @@ PY_ARCHITECTURE = "rfsdp-py"
 FORMAT_VERSION = 1
 """Version of the ``rfsdp-builtin`` / ``rfsdp-py`` formats (``format_version`` in their config)."""
 DEFAULT_MAX_SHARD_SIZE = "2GB"
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -121,15 +132,21 @@ def export_run(
         raise ParameterError("run_dir", f"{run_dir} has no published checkpoint (nothing in {run_dir / CHECKPOINTS})")
     step = max(published) if step is None else step
     if step not in published:
-        raise ParameterError("step", f"{run_dir} has no published checkpoint {step_dir_name(step)} (published: {sorted(published)})")
+        raise ParameterError(
+            "step", f"{run_dir} has no published checkpoint {step_dir_name(step)} (published: {sorted(published)})"
+        )
     _check_out_empty(out)
     try:
         tokenizer = tokenizer_dir(Path(cfg.data))
     except (DataError, OSError) as e:
-        raise ParameterError("data", f"cannot read the run's data set {cfg.data} for its tokenizer ({e}); pass --data DIR") from None
+        raise ParameterError(
+            "data", f"cannot read the run's data set {cfg.data} for its tokenizer ({e}); pass --data DIR"
+        ) from None
     model = _ModelFiles(cfg.model, cache=run_dir / "model_cache")  # checked before anything is read or written
 
-    state = read_full_state(published[step], keys={"model"})["model"]  # (the optimizer's state: twice the model, unread)
+    state = read_full_state(published[step], keys={"model"})[
+        "model"
+    ]  # (the optimizer's state: twice the model, unread)
     weights = model.weights(state)
     with tempfile.TemporaryDirectory(prefix="rfsdp-export-") as tmp:
         staged = Path(tmp) / "model"
@@ -145,9 +162,15 @@ def export_run(
         else:
             _move_into_place(staged, Path(out))
     return ExportResult(
-        out=out, step=step, kind=model.kind, files=names, tensors=len(weights), bytes=size, dtype=str(model.dtype).removeprefix("torch."),
+        out=out,
+        step=step,
+        kind=model.kind,
+        files=names,
+        tensors=len(weights),
+        bytes=size,
+        dtype=str(model.dtype).removeprefix("torch."),
         tokenizer=tokenizer is not None,
-    )  # fmt: skip
+    )
 
 
 def _check_out_empty(out: str) -> None:
@@ -157,7 +180,9 @@ def _check_out_empty(out: str) -> None:
         except StorageError as e:
             raise ParameterError("out", str(e)) from None
         if keys:
-            raise ParameterError("out", f"{out} is not empty ({len(keys)} object(s), e.g. {keys[0]}): export into an empty prefix")
+            raise ParameterError(
+                "out", f"{out} is not empty ({len(keys)} object(s), e.g. {keys[0]}): export into an empty prefix"
+            )
         return
     path = Path(out)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
@@ -208,7 +233,9 @@ class _ModelFiles:
                 with torch.device("meta"):
                     module = AutoModelForCausalLM.from_config(config)
             except Exception as e:
-                raise ParameterError("model", f"{name}: transformers cannot build a causal LM from it ({type(e).__name__}: {e})") from None
+                raise ParameterError(
+                    "model", f"{name}: transformers cannot build a causal LM from it ({type(e).__name__}: {e})"
+                ) from None
         else:
             self.kind = "builtin" if name in MODEL_SIZES else "py"
             self.dtype = torch.float32
@@ -218,7 +245,9 @@ class _ModelFiles:
             fields = {"architecture": BUILTIN_ARCHITECTURE, "format_version": FORMAT_VERSION, "model": name}
             if self.kind == "builtin":
                 size = MODEL_SIZES[name]
-                fields.update(dim=size.dim, layers=size.layers, heads=size.heads, seq_len=size.seq_len, vocab_size=size.vocab_size)
+                fields.update(
+                    dim=size.dim, layers=size.layers, heads=size.heads, seq_len=size.seq_len, vocab_size=size.vocab_size
+                )
             else:
                 fields.update(architecture=PY_ARCHITECTURE, factory=name.removeprefix("py:"))
                 fields.update(vocab_size=int(spec.vocab_size), seq_len=int(spec.seq_len))
@@ -243,12 +272,18 @@ class _ModelFiles:
         """
         missing = [k for k in self.shapes if k not in state]
         extra = [k for k in state if k not in self.shapes and k not in self.tied]
-        misfit = [f"{k} {list(state[k].shape)} vs {list(s)}" for k, s in self.shapes.items() if k in state and tuple(state[k].shape) != s]
+        misfit = [
+            f"{k} {list(state[k].shape)} vs {list(s)}"
+            for k, s in self.shapes.items()
+            if k in state and tuple(state[k].shape) != s
+        ]
         if missing or extra or misfit:
             problems = [f"lacks {', '.join(missing[:3])}"] if missing else []
             problems += [f"has {', '.join(extra[:3])} the model does not"] if extra else []
             problems += [f"shapes differ: {', '.join(misfit[:3])}"] if misfit else []
-            raise ParameterError("run_dir", f"the checkpoint does not hold the run's model {self.name}: it {'; '.join(problems)}")
+            raise ParameterError(
+                "run_dir", f"the checkpoint does not hold the run's model {self.name}: it {'; '.join(problems)}"
+            )
         out = {}
         for key in self.shapes:
             tensor = state[key]
@@ -281,7 +316,10 @@ class _ModelFiles:
             save_file(shard, out / file, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(shard, file))
         total = sum(t.numel() * t.element_size() for t in weights.values())
-        index = {"metadata": {"total_size": total, "total_parameters": sum(t.numel() for t in weights.values())}, "weight_map": weight_map}
+        index = {
+            "metadata": {"total_size": total, "total_parameters": sum(t.numel() for t in weights.values())},
+            "weight_map": weight_map,
+        }
         (out / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         for file, data in self.files.items():
             (out / file).write_bytes(data)
@@ -317,5 +355,7 @@ def _config_dtype(config: dict) -> torch.dtype:
     if name == "auto":
         return torch.float32
     if name not in _DTYPES:
-        raise ParameterError("model", f"its {CONFIG} names dtype {name!r}, which the export does not write ({', '.join(_DTYPES)})")
+        raise ParameterError(
+            "model", f"its {CONFIG} names dtype {name!r}, which the export does not write ({', '.join(_DTYPES)})"
+        )
     return _DTYPES[name]

@@ -90,13 +90,17 @@ def _reshard_worker(rank: int, world_size: int, rdzv_file: str, path: str, cfg: 
 
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=RESHARD_TIMEOUT_S / 2)
-    dist.init_process_group("gloo", init_method=f"file://{rdzv_file}", rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{rdzv_file}", rank=rank, world_size=world_size, timeout=timeout
+    )
     try:
         rt = Runtime(torch.device("cpu"), "gloo", rank, rank, world_size)
         model = build_fsdp_model(cfg.model, rt, cfg.seed, cache=Path(cfg.run_dir) / "model_cache").module
         optimizer = torch.optim.AdamW(model.parameters())
         load_tensors(model, optimizer, Path(path))
-        full_model, full_optim = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full_model, full_optim = get_state_dict(
+            model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         if rank == 0:
             torch.save({"model": full_model, "optim": full_optim}, out)
         dist.barrier()

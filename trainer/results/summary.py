@@ -53,7 +53,11 @@ def headline_metrics(events: list[Event], valid: bool | None) -> dict[str, float
         valid: the validation verdict on the run's checkpoint (None: not validated).
     """
     figures = summarize(events) if events else {}
-    out = {name: round(figures[key] * scale, digits) for name, key, scale, digits in _HEADLINE if figures.get(key) is not None}
+    out = {
+        name: round(figures[key] * scale, digits)
+        for name, key, scale, digits in _HEADLINE
+        if figures.get(key) is not None
+    }
     if valid is not None:
         out[VERDICT] = float(valid)
     return out
@@ -111,9 +115,13 @@ def print_run_summary(run_dir: Path) -> None:
     latest = latest_checkpoint(run_dir)
     table.add_row("latest", latest.name if latest else "-")
     end = latest_end(events)
-    table.add_row("ended", f"{end.status} at step {end.step}" if end and end.step is not None else end.status if end else "-")
+    table.add_row(
+        "ended", f"{end.status} at step {end.step}" if end and end.step is not None else end.status if end else "-"
+    )
     if failures := select(events, Failure):
-        table.add_row("failures", ", ".join(f"{sum(e.category == c for e in failures)} {c}" for c in FAILURE_CATEGORIES))
+        table.add_row(
+            "failures", ", ".join(f"{sum(e.category == c for e in failures)} {c}" for c in FAILURE_CATEGORIES)
+        )
     if corrupt := corrupt_lines(run_dir):
         shown = ", ".join(map(str, corrupt[:5])) + (", ..." if len(corrupt) > 5 else "")
         table.add_row("corrupt event lines", f"{len(corrupt)} skipped (line {shown})")
@@ -127,7 +135,9 @@ def print_run_summary(run_dir: Path) -> None:
             if isinstance(e, FaultFired):
                 t.add_row("fault", e.kind, str(e.step), "", "")
             elif isinstance(e, Failure):  # the class decides the retries (trainer.rank.failures)
-                t.add_row(f"failure, rank {e.rank}", f"{e.category}: {e.error_type.rsplit('.', 1)[-1]}", str(e.step), "", "")
+                t.add_row(
+                    f"failure, rank {e.rank}", f"{e.category}: {e.error_type.rsplit('.', 1)[-1]}", str(e.step), "", ""
+                )
             else:
                 t.add_row("restart", e.layer, str(e.resumed_from_step), str(e.lost_steps), f"{e.recovery_s:.2f}")
         console.print(t)

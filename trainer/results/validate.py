@@ -127,7 +127,11 @@ class ValidationReport:
         """One line: the verdict and the first failing check's detail."""
         name = Path(self.checkpoint).name if self.checkpoint else "checkpoint"
         if self.valid:
-            fell_back = f" (newer ones invalid: {', '.join(step_dir_name(r['step']) for r in self.rejected)})" if self.rejected else ""
+            fell_back = (
+                f" (newer ones invalid: {', '.join(step_dir_name(r['step']) for r in self.rejected)})"
+                if self.rejected
+                else ""
+            )
             return f"{name} is valid: {', '.join(c.name for c in self.checks)} passed{fell_back}"
         first = next(c for c in self.checks if c.name in self.failed)
         return f"{name} is invalid: {', '.join(self.failed)} failed ({first.detail})"
@@ -152,7 +156,9 @@ class ValidationReport:
         verdict = "**valid**" if self.valid else "**invalid**"
         lines = [f"### Checkpoint `{Path(self.checkpoint).name}` of `{self.run_dir}`: {verdict}", ""]
         for r in self.rejected:
-            lines.append(f"- `{step_dir_name(r['step'])}` rejected first: {', '.join(r['failed'])} failed ({r['detail']})")
+            lines.append(
+                f"- `{step_dir_name(r['step'])}` rejected first: {', '.join(r['failed'])} failed ({r['detail']})"
+            )
         if self.rejected:
             lines.append("")
         lines += ["| check | result | measured | detail |", "|---|---|---|---|"]
@@ -233,7 +239,9 @@ def validate_run(
         raise ValidationError(f"--run-dir {run_dir} has no published checkpoint (nothing in {run_dir / CHECKPOINTS})")
     steps = [s for s, _ in published]
     if step is not None and step not in steps:
-        raise ValidationError(f"--step {step}: {run_dir} has no published checkpoint {step_dir_name(step)} (published: {steps})")
+        raise ValidationError(
+            f"--step {step}: {run_dir} has no published checkpoint {step_dir_name(step)} (published: {steps})"
+        )
     _check_data(cfg)
     newest = steps[-1] if step is None else step
     candidates = [(s, p) for s, p in reversed(published) if s <= newest]
@@ -242,7 +250,14 @@ def validate_run(
     rejected: list[dict] = []
     first: ValidationReport | None = None
     for s, path in candidates:
-        target = _Target(cfg, path, s, is_latest=step is None and s == steps[-1], quality_margin=quality_margin, replay_steps=replay_steps)
+        target = _Target(
+            cfg,
+            path,
+            s,
+            is_latest=step is None and s == steps[-1],
+            quality_margin=quality_margin,
+            replay_steps=replay_steps,
+        )
         report = _validate_checkpoint(target, run_dir)
         if report.valid:
             report.rejected = rejected
@@ -266,7 +281,9 @@ def run_config(run_dir: Path, data: Path | None) -> TrainConfig:
         except json.JSONDecodeError as e:
             raise ValidationError(f"--run-dir {run_dir}: {RUN_CONFIG} is not valid JSON ({e})") from None
     if not recorded:
-        raise ValidationError(f"--run-dir {run_dir} has no {RUN_CONFIG} and no run_start event: not a training run directory")
+        raise ValidationError(
+            f"--run-dir {run_dir} has no {RUN_CONFIG} and no run_start event: not a training run directory"
+        )
     data = data or recorded.get("data")
     if not data:
         raise ValidationError(f"--data: {run_dir} records no data directory; pass --data DIR")
@@ -331,7 +348,11 @@ def _validate_checkpoint(target: _Target, run_dir: Path) -> ValidationReport:
         checks[name].values["seconds"] = round(time.perf_counter() - t0, 3)
     ordered = [checks[n] for n in CHECKS]
     return ValidationReport(
-        valid=all(c.passed for c in ordered), step=target.step, checks=ordered, run_dir=str(run_dir), checkpoint=str(target.path)
+        valid=all(c.passed for c in ordered),
+        step=target.step,
+        checks=ordered,
+        run_dir=str(run_dir),
+        checkpoint=str(target.path),
     )
 
 
@@ -353,7 +374,9 @@ def _check_complete(t: _Target) -> Check:
     if t.manifest is None:
         return Check("complete", False, values, f"{MANIFEST} is missing or unreadable")
     files = t.manifest["files"]
-    values.update(files=len(files), bytes=sum(f["size"] for f in files.values()), world_size=t.manifest.get("world_size"))
+    values.update(
+        files=len(files), bytes=sum(f["size"] for f in files.values()), world_size=t.manifest.get("world_size")
+    )
     try:
         checkpoint = open_checkpoint(t.path, checksums=False)
     except CheckpointError as e:
@@ -376,17 +399,28 @@ def _check_complete(t: _Target) -> Check:
         if name not in files:
             return Check("complete", False, values, f".metadata reads {name}, which the manifest does not list")
         if files[name]["size"] < end:
-            return Check("complete", False, values, f".metadata reads {name} up to byte {end}, but it has {files[name]['size']}")
+            return Check(
+                "complete", False, values, f".metadata reads {name} up to byte {end}, but it has {files[name]['size']}"
+            )
     corrupt = latest_is_corrupt(t.path.parent.parent)
     if t.is_latest and values["latest"] != t.path.name and not corrupt:
         return Check("complete", False, values, f"checkpoints/{LATEST} names {values['latest']}, not {t.path.name}")
-    note = f"; checkpoints/{LATEST} is corrupt (resuming the run repairs it to the newest that verifies)" if corrupt else ""
-    return Check("complete", True, values, f"{len(files)} files, {values['bytes']:,} bytes, {len(ends)} shard file(s){note}")
+    note = (
+        f"; checkpoints/{LATEST} is corrupt (resuming the run repairs it to the newest that verifies)"
+        if corrupt
+        else ""
+    )
+    return Check(
+        "complete", True, values, f"{len(files)} files, {values['bytes']:,} bytes, {len(ends)} shard file(s){note}"
+    )
 
 
 def _check_intact(t: _Target) -> Check:
     """SHA-256 of every file against the manifest."""
-    values = {"files_hashed": len(t.manifest["files"]), "bytes_hashed": sum(f["size"] for f in t.manifest["files"].values())}
+    values = {
+        "files_hashed": len(t.manifest["files"]),
+        "bytes_hashed": sum(f["size"] for f in t.manifest["files"].values()),
+    }
     try:
         verify_checkpoint(t.path, checksums=True)
     except CheckpointError as e:
@@ -401,7 +435,9 @@ def _check_loadable(t: _Target) -> Check:
     state = read_full_state(t.path)
     model = _build(t.cfg)
     optimizer = torch.optim.AdamW(model.module.parameters())
-    set_state_dict(model.module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])  # strict: keys and shapes
+    set_state_dict(
+        model.module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )  # strict: keys and shapes
     t.state, t.model = state, model
     world = t.manifest["world_size"] + 1  # any other world size reshards; one more rank keeps it small
     resharded = load_resharded(t.path, t.cfg, world)
@@ -414,18 +450,28 @@ def _check_loadable(t: _Target) -> Check:
         "reshard_mismatches": len(diffs),
     }
     if diffs:
-        return Check("loadable", False, values, f"loaded on {world} ranks it differs from the single-process load in {_few(diffs)}")
+        return Check(
+            "loadable",
+            False,
+            values,
+            f"loaded on {world} ranks it differs from the single-process load in {_few(diffs)}",
+        )
     return Check(
         "loadable",
         True,
         values,
-        f"loads into a fresh model + optimizer in one process, and on {world} ranks (FSDP2 + dcp.load) bit-identical to it",
+        "loads into a fresh model + optimizer in one process, "
+        f"and on {world} ranks (FSDP2 + dcp.load) bit-identical to it",
     )
 
 
 def _check_finite(t: _Target) -> Check:
     """Every tensor finite; parameter norms."""
-    bad = [name for name, tensor in tensors(t.state) if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
+    bad = [
+        name
+        for name, tensor in tensors(t.state)
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
+    ]
     norms = {name: float(p.float().norm()) for name, p in t.state["model"].items()}
     values = {
         "tensors": sum(1 for _ in tensors(t.state)),
@@ -454,7 +500,10 @@ def _check_quality(t: _Target) -> Check:
     passed = init_loss - eval_loss >= t.quality_margin  # False for a NaN loss as well
     relation = "at least" if passed else "less than"
     return Check(
-        "quality", passed, values, f"eval loss {eval_loss:.4f} vs {init_loss:.4f} at initialization: {relation} {t.quality_margin} lower"
+        "quality",
+        passed,
+        values,
+        f"eval loss {eval_loss:.4f} vs {init_loss:.4f} at initialization: {relation} {t.quality_margin} lower",
     )
 
 
@@ -471,9 +520,16 @@ def _check_replays(t: _Target) -> Check:
         stop = t.step
     compare = list(range(base + 1, stop + 1))
     unlogged = [s for s in compare if s not in logged]
-    values: dict = {"mode": "resume" if ahead else "reproduce", "from_step": base, "to_step": stop, "steps": len(compare)}
+    values: dict = {
+        "mode": "resume" if ahead else "reproduce",
+        "from_step": base,
+        "to_step": stop,
+        "steps": len(compare),
+    }
     if unlogged:
-        return Check("replays", False, values, f"the run logged no loss for step(s) {_few(unlogged)}: nothing to compare with")
+        return Check(
+            "replays", False, values, f"the run logged no loss for step(s) {_few(unlogged)}: nothing to compare with"
+        )
     with tempfile.TemporaryDirectory(prefix="rfsdp-replay-") as tmp:
         scratch = Path(tmp) / "run"
         (scratch / CHECKPOINTS).mkdir(parents=True)
@@ -484,14 +540,18 @@ def _check_replays(t: _Target) -> Check:
             shutil.copy(Path(t.cfg.run_dir) / RUN_CONFIG, scratch / RUN_CONFIG)
         # Only the trajectory matters here: a blocking save, no local tier and no restart layers keep it short.
         no_tier = {"local_ckpt_every": 0, "local_replicas": 0}  # on one node: no peer could hold a replica either
-        cfg = dataclasses.replace(t.cfg, run_dir=str(scratch), stop_at_step=stop, ckpt_mode="sync", inprocess_restart=False, **no_tier)
+        cfg = dataclasses.replace(
+            t.cfg, run_dir=str(scratch), stop_at_step=stop, ckpt_mode="sync", inprocess_restart=False, **no_tier
+        )
         world = t.manifest["world_size"]
         try:
             code = launch_local(cfg, LaunchSpec(nnodes=1, nproc_per_node=world, max_restarts=0), progress=False)
         except ValueError as e:
             return Check("replays", False, values, f"could not replay on the original world size {world}: {e}")
         if code:
-            tail = " / ".join((scratch / "logs" / "replica_0.log").read_text(errors="replace").strip().splitlines()[-3:])
+            tail = " / ".join(
+                (scratch / "logs" / "replica_0.log").read_text(errors="replace").strip().splitlines()[-3:]
+            )
             return Check("replays", False, values, f"the replay failed (exit code {code}): {tail}")
         replayed = final_losses(read_events(scratch))
         values["losses"] = {s: {"logged": logged[s], "replayed": replayed.get(s)} for s in compare}
@@ -499,10 +559,15 @@ def _check_replays(t: _Target) -> Check:
         values["mismatched_steps"] = len(differ)
         if differ:
             s = differ[0]
-            detail = f"step {s} replayed to loss {replayed.get(s)!r}, the run logged {logged[s]!r} ({len(differ)} of {len(compare)} differ)"
+            detail = (
+                f"step {s} replayed to loss {replayed.get(s)!r}, the run logged {logged[s]!r} "
+                f"({len(differ)} of {len(compare)} differ)"
+            )
             return Check("replays", False, values, detail)
         if ahead:
-            return Check("replays", True, values, f"resumed for {len(compare)} steps: losses equal the run's bit for bit")
+            return Check(
+                "replays", True, values, f"resumed for {len(compare)} steps: losses equal the run's bit for bit"
+            )
         # Reproduce mode: the checkpoint the replay wrote must be the validated one.
         produced = scratch / CHECKPOINTS / step_dir_name(t.step)
         diffs = differences(t.state, read_full_state(produced))
@@ -511,9 +576,17 @@ def _check_replays(t: _Target) -> Check:
             diffs += [f"{rank_state_file(rank)}:{d}" for d in differences(_trajectory(ours), _trajectory(theirs))]
         values["state_mismatches"] = len(diffs)
         if diffs:
-            return Check("replays", False, values, f"replayed from step {base}, the state at step {t.step} differs in {_few(diffs)}")
+            return Check(
+                "replays",
+                False,
+                values,
+                f"replayed from step {base}, the state at step {t.step} differs in {_few(diffs)}",
+            )
     return Check(
-        "replays", True, values, f"reproduced from step {base}: losses of {len(compare)} steps and the checkpoint's state equal bit for bit"
+        "replays",
+        True,
+        values,
+        f"reproduced from step {base}: losses of {len(compare)} steps and the checkpoint's state equal bit for bit",
     )
 
 

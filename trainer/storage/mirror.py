@@ -160,13 +160,20 @@ class CheckpointMirror:
                 manifest = verify_checkpoint(tmp, fingerprint=fingerprint, world_size=world_size)
             except (StorageError, CheckpointError) as e:
                 shutil.rmtree(tmp, ignore_errors=True)
-                self.events.emit(RunWarning(kind="checkpoint_skipped", step=step, reason=f"remote {self.store.url(name)}: {e}"))
+                self.events.emit(
+                    RunWarning(kind="checkpoint_skipped", step=step, reason=f"remote {self.store.url(name)}: {e}")
+                )
                 continue
             tmp.rename(root / name)
             atomic_write_text(root / LATEST, name + "\n")
             nbytes = sum(f["size"] for f in manifest["files"].values())
             self.events.emit(
-                MirrorRestore(step=step, uri=self.store.url(f"{CHECKPOINTS}/{name}"), bytes=nbytes, download_s=time.perf_counter() - t0)
+                MirrorRestore(
+                    step=step,
+                    uri=self.store.url(f"{CHECKPOINTS}/{name}"),
+                    bytes=nbytes,
+                    download_s=time.perf_counter() - t0,
+                )
             )
             if bad is not None:
                 self.events.emit(RunWarning(kind="latest_repaired", step=step, was=f"remote {bad!r}"))
@@ -201,7 +208,9 @@ class CheckpointMirror:
         try:
             self.store.abort_incomplete_uploads()
         except (StorageError, OSError) as e:
-            self._emit(MirrorFailed(step=None, attempt=None, error=f"aborting unfinished uploads: {e}", retry_in_s=None))
+            self._emit(
+                MirrorFailed(step=None, attempt=None, error=f"aborting unfinished uploads: {e}", retry_in_s=None)
+            )
 
     def _final_sync(self) -> None:
         # The run's last events (run_end) come after its last checkpoint was mirrored.
@@ -225,7 +234,9 @@ class CheckpointMirror:
                 nbytes = self._upload(checkpoint)
             except (StorageError, OSError, CheckpointError) as e:
                 give_up = self._stop or not checkpoint.is_dir()
-                self._emit(MirrorFailed(step=step, attempt=attempt, error=str(e), retry_in_s=None if give_up else delay))
+                self._emit(
+                    MirrorFailed(step=step, attempt=attempt, error=str(e), retry_in_s=None if give_up else delay)
+                )
                 with self._cv:
                     if give_up or self._cv.wait_for(lambda: self._stop, timeout=delay):
                         # Local retention removed it (a newer one is queued) or the run is ending.
@@ -236,10 +247,13 @@ class CheckpointMirror:
             self._dropped = False  # the newest queued checkpoint is mirrored
             self._emit(
                 Mirror(
-                    step=step, uri=self.store.url(f"{CHECKPOINTS}/{checkpoint.name}"), bytes=nbytes,
-                    upload_s=time.perf_counter() - t0, attempts=attempt,
+                    step=step,
+                    uri=self.store.url(f"{CHECKPOINTS}/{checkpoint.name}"),
+                    bytes=nbytes,
+                    upload_s=time.perf_counter() - t0,
+                    attempts=attempt,
                 )
-            )  # fmt: skip
+            )
             return
 
     def _upload(self, checkpoint: Path) -> int:
@@ -275,7 +289,11 @@ class CheckpointMirror:
         complete one whose manifest names another training config is never touched; the launcher
         refuses a location another run owns, this is the second line of defence).
         """
-        old = [name for _, name in remote_checkpoints(self.store, upto=latest)[: -self.keep_last] if self._ours(name, fingerprint)]
+        old = [
+            name
+            for _, name in remote_checkpoints(self.store, upto=latest)[: -self.keep_last]
+            if self._ours(name, fingerprint)
+        ]
         self.store.delete([key for name in old for key in self.store.list(f"{CHECKPOINTS}/{name}")])
 
     def _ours(self, name: str, fingerprint: str | None) -> bool:

@@ -268,11 +268,24 @@ class S3Storage:
                 raise StorageError(f"{url}: bucket {self.bucket!r} does not exist (endpoint {self.endpoint})") from None
             if code in ("NoSuchKey", "404", "NotFound"):
                 raise StorageError(f"{url}: no such object") from None
-            if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403", "ExpiredToken", "InvalidToken"):
-                raise StorageError(f"{url}: access denied ({code}); check the AWS credentials in the environment or AWS config") from None
-            raise StorageError(f"{url}: S3 request failed ({code or 'error'}: {e.response.get('Error', {}).get('Message', '')})") from None
+            if code in (
+                "InvalidAccessKeyId",
+                "SignatureDoesNotMatch",
+                "AccessDenied",
+                "403",
+                "ExpiredToken",
+                "InvalidToken",
+            ):
+                raise StorageError(
+                    f"{url}: access denied ({code}); check the AWS credentials in the environment or AWS config"
+                ) from None
+            raise StorageError(
+                f"{url}: S3 request failed ({code or 'error'}: {e.response.get('Error', {}).get('Message', '')})"
+            ) from None
         except NoCredentialsError:
-            raise StorageError(f"{url}: no AWS credentials (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE)") from None
+            raise StorageError(
+                f"{url}: no AWS credentials (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE)"
+            ) from None
         except EndpointConnectionError:
             raise StorageError(f"{url}: cannot reach the S3 endpoint {self.endpoint}") from None
         except BotoCoreError as e:  # connection reset, timeouts, incomplete reads...
@@ -287,7 +300,9 @@ class S3Storage:
                 self.client.head_bucket(Bucket=self.bucket)
             except ClientError as e:
                 if str(e.response.get("Error", {}).get("Code")) == "404":  # HEAD has no body: say which 404
-                    raise StorageError(f"{self.uri}: bucket {self.bucket!r} does not exist (endpoint {self.endpoint})") from None
+                    raise StorageError(
+                        f"{self.uri}: bucket {self.bucket!r} does not exist (endpoint {self.endpoint})"
+                    ) from None
                 raise
 
     def list(self, prefix: str = "") -> list[str]:
@@ -295,7 +310,9 @@ class S3Storage:
         base = self._key(prefix)
         keys = []
         with self._errors(prefix):
-            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=f"{base}/" if base else "")
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=f"{base}/" if base else ""
+            )
             for page in pages:
                 keys += [obj["Key"] for obj in page.get("Contents", [])]
         start = len(self.prefix) + 1 if self.prefix else 0
@@ -324,7 +341,11 @@ class S3Storage:
         try:
             with self._errors(key):
                 self.client.upload_file(
-                    str(local), self.bucket, self._key(key), ExtraArgs={"Metadata": {SHA256_META: digest}}, Config=transfer
+                    str(local),
+                    self.bucket,
+                    self._key(key),
+                    ExtraArgs={"Metadata": {SHA256_META: digest}},
+                    Config=transfer,
                 )
         except BaseException:
             # The managed transfer aborts a failed multipart upload itself, but that request can be
@@ -376,7 +397,10 @@ class S3Storage:
         """One PUT (atomic in S3: readers see the old or the whole new object)."""
         with self._errors(key):
             self.client.put_object(
-                Bucket=self.bucket, Key=self._key(key), Body=data, Metadata={SHA256_META: hashlib.sha256(data).hexdigest()}
+                Bucket=self.bucket,
+                Key=self._key(key),
+                Body=data,
+                Metadata={SHA256_META: hashlib.sha256(data).hexdigest()},
             )
 
     def delete(self, keys: list[str]) -> None:
@@ -384,7 +408,9 @@ class S3Storage:
         for i in range(0, len(keys), 1000):
             batch = keys[i : i + 1000]
             with self._errors(batch[0]):
-                self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": self._key(k)} for k in batch], "Quiet": True})
+                self.client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": [{"Key": self._key(k)} for k in batch], "Quiet": True}
+                )
 
 
 # ----------------------------------------------------------------------------------- integrity
@@ -400,7 +426,9 @@ def _verified_local_sha256(local: Path, expected: str | None, url: str) -> str:
 def _check_digest(actual: str, expected: str | None, recorded: str | None, url: str) -> None:
     for what, want in (("the expected checksum", expected), ("the checksum recorded with the object", recorded)):
         if want is not None and actual != want:
-            raise ChecksumError(f"{url} fails its checksum: sha256 {actual[:12]}... differs from {what} {want[:12]}... (corrupt object)")
+            raise ChecksumError(
+                f"{url} fails its checksum: sha256 {actual[:12]}... differs from {what} {want[:12]}... (corrupt object)"
+            )
 
 
 class _Readable(Protocol):

@@ -44,7 +44,10 @@ import torch.distributed as dist
 from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
 from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest, PersistentAsyncCaller
 from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
-from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import CheckpointMetadataCache, save_state_dict_async_plan
+from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import (
+    CheckpointMetadataCache,
+    save_state_dict_async_plan,
+)
 from torch.distributed._state_dict_utils import _create_cpu_state_dict
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -80,7 +83,8 @@ def check_nvrx_internals() -> None:
     changed = [
         f"{owner.__name__}.{name}({', '.join(parameters)})"
         for (owner, name), parameters in _NVRX_PARAMETERS.items()
-        if not callable(function := getattr(owner, name, None)) or list(inspect.signature(function).parameters) != parameters
+        if not callable(function := getattr(owner, name, None))
+        or list(inspect.signature(function).parameters) != parameters
     ]
     if not hasattr(filesystem_async, "_results_queue"):
         changed.append("filesystem_async._results_queue")
@@ -96,9 +100,15 @@ def check_nvrx_internals() -> None:
 
 
 def _write_shard(
-    done: torch.Tensor, request_id: int, copied: torch.Tensor | None, copy_number: int,
-    save_fn: Callable | None, directory: str, rank: int, write_buckets: list,
-) -> None:  # fmt: skip
+    done: torch.Tensor,
+    request_id: int,
+    copied: torch.Tensor | None,
+    copy_number: int,
+    save_fn: Callable | None,
+    directory: str,
+    rank: int,
+    write_buckets: list,
+) -> None:
     """Runs in the background worker: once the state is in the staging buffers (``copied``
     reaches ``copy_number``; CPU only), write this rank's shard and checksums, leave the outcome
     in ``directory``, then mark the request done (always: a failure is an outcome too).
@@ -147,7 +157,9 @@ class _BackgroundCopy:
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], copied: torch.Tensor, number: int) -> None:
         self.seconds: float | None = None
         """How long the copy took (set when it ends)."""
-        self._thread = threading.Thread(target=self._run, args=(pairs, copied, number), name="checkpoint-copy", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(pairs, copied, number), name="checkpoint-copy", daemon=True
+        )
         self._thread.start()
 
     def _run(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], copied: torch.Tensor, number: int) -> None:
@@ -176,7 +188,10 @@ def _staged_view(live: object, staging: object, pairs: list[tuple[torch.Tensor, 
     """
     if isinstance(live, dict):
         if live.keys() != staging.keys():
-            raise RuntimeError(f"the state's structure changed since its staging buffers were made: {sorted(live)} vs {sorted(staging)}")
+            raise RuntimeError(
+                "the state's structure changed since its staging buffers were made: "
+                f"{sorted(live)} vs {sorted(staging)}"
+            )
         return {key: _staged_view(value, staging[key], pairs) for key, value in live.items()}
     if isinstance(live, list | tuple):
         return type(live)(_staged_view(value, buffer, pairs) for value, buffer in zip(live, staging, strict=True))
@@ -230,10 +245,15 @@ def _write_result_json(result: WriteResult) -> dict:
         raise TypeError(f"unexpected DCP storage data {type(info).__name__}")
     offset = result.index.offset
     return {
-        "fqn": result.index.fqn, "offset": None if offset is None else list(offset), "index": result.index.index,
-        "size": result.size_in_bytes, "path": info.relative_path, "at": info.offset, "length": info.length,
+        "fqn": result.index.fqn,
+        "offset": None if offset is None else list(offset),
+        "index": result.index.index,
+        "size": result.size_in_bytes,
+        "path": info.relative_path,
+        "at": info.offset,
+        "length": info.length,
         "transforms": None if info.transform_descriptors is None else list(info.transform_descriptors),
-    }  # fmt: skip
+    }
 
 
 def _write_result(record: dict) -> WriteResult:
@@ -242,7 +262,10 @@ def _write_result(record: dict) -> WriteResult:
         index=MetadataIndex(str(record["fqn"]), record["offset"], record["index"]),
         size_in_bytes=int(record["size"]),
         storage_data=_StorageInfo(
-            str(record["path"]), int(record["at"]), int(record["length"]), None if transforms is None else list(transforms)
+            str(record["path"]),
+            int(record["at"]),
+            int(record["length"]),
+            None if transforms is None else list(transforms),
         ),
     )
 
@@ -395,11 +418,15 @@ class AsyncCheckpointWriter:
         self._ensure_worker()
         current = self._incarnation(group)
         if not self.cuda:
-            state_dict = self._staging(current, state_dict, hooks.alive)  # what start() plans: the same structure, never the live tensors
+            state_dict = self._staging(
+                current, state_dict, hooks.alive
+            )  # what start() plans: the same structure, never the live tensors
         self._meet_once(current, hooks)
         for _ in range(2):  # plans name files relative to the directory: the same for every save
             plan_only = FileSystemWriterAsync(directory, thread_count=1)  # its directory is made, never written
-            save_state_dict_async_plan(state_dict, plan_only, process_group=group, enable_cache=True, metadata_cache=current.plans)
+            save_state_dict_async_plan(
+                state_dict, plan_only, process_group=group, enable_cache=True, metadata_cache=current.plans
+            )
 
     def poll(self, group: dist.ProcessGroup) -> bool:
         """Collective: True once no rank's worker is busy; the write this incarnation started (if
@@ -460,7 +487,9 @@ class AsyncCheckpointWriter:
             except RuntimeError as e:  # torch says so in words only: no room in /dev/shm is no transient fault
                 if "No space left on device" not in str(e):
                     raise
-                raise OSError(errno.ENOSPC, f"no room in /dev/shm for this rank's checkpoint staging buffers ({e})", "/dev/shm") from e
+                raise OSError(
+                    errno.ENOSPC, f"no room in /dev/shm for this rank's checkpoint staging buffers ({e})", "/dev/shm"
+                ) from e
         return current.staging
 
     @staticmethod
@@ -540,7 +569,9 @@ def _agree_and_finalize(started: _StartedWrite, group: dist.ProcessGroup) -> Non
     if agreed.item() < 1:
         failure = CheckpointWriteError(f"background write failed: {error or 'on another rank'}")
         if agreed.item() < 0:
-            raise failure from (error if verdict < 0 else NonTransientError("another rank's write met an error no restart can fix"))
+            raise failure from (
+                error if verdict < 0 else NonTransientError("another rank's write met an error no restart can fix")
+            )
         raise failure
     all_results = started.dist_wrapper.gather_object(results)
     if started.dist_wrapper.is_coordinator:

@@ -28,7 +28,11 @@ class _AbortAttempt(inprocess.abort.Abort):
     def __call__(self, state: inprocess.state.FrozenState) -> inprocess.state.FrozenState:
         try:
             cut = self._connections.cut()
-            print(f"rank {state.rank}: in-process restart: cut {cut} connections of the attempt's groups", file=sys.stderr, flush=True)
+            print(
+                f"rank {state.rank}: in-process restart: cut {cut} connections of the attempt's groups",
+                file=sys.stderr,
+                flush=True,
+            )
         finally:  # the groups go whatever happened above: the next attempt makes its own
             self._torch(state)
         return state
@@ -79,7 +83,9 @@ def run_restartable(train_fn: Callable[[Attempt], None], timeouts: Timeouts, *, 
     wrapper = inprocess.Wrapper(
         # A rank that is gone (killed, or ended by a fatal error) is never trained without: the
         # wrapper would shrink the world; in-job restart brings the whole job back instead.
-        initialize=inprocess.initialize.RetryController(max_iterations=max_restarts + 1, min_world_size=int(os.environ["WORLD_SIZE"])),
+        initialize=inprocess.initialize.RetryController(
+            max_iterations=max_restarts + 1, min_world_size=int(os.environ["WORLD_SIZE"])
+        ),
         store_factory=_WrapperStore,
         store_kwargs={"port": base, "timeout": datetime.timedelta(seconds=timeouts.barrier)},
         health_check=inprocess.health_check.CudaHealthCheck() if cuda else None,

@@ -196,7 +196,9 @@ class _ChecksummedLocalManager(LocalCheckpointManager):
         """
         self._ensure_dir()
         stale = [p for p in self.local_ckpt_dir.glob("iter_*") if self._filename_to_id(p.name)[0] != keep]
-        for path in sorted(stale, key=lambda p: p.suffix != ".sha256"):  # a sidecar first: its snapshot no longer counts
+        for path in sorted(
+            stale, key=lambda p: p.suffix != ".sha256"
+        ):  # a sidecar first: its snapshot no longer counts
             spare = self._spare(self._filename_to_id(path.name)[1])
             if path.suffix != ".sha256" and not spare.exists():
                 path.rename(spare)
@@ -235,7 +237,9 @@ def _pack(tree: object, buffers: dict) -> dict:
 
     skeleton = hollow(tree, ())
     if buffers.get("layout") != layout:  # the views are made with the buffer, not at every snapshot
-        data = torch.zeros(offset, dtype=torch.uint8)  # the alignment gaps too: a snapshot's bytes are its state's alone
+        data = torch.zeros(
+            offset, dtype=torch.uint8
+        )  # the alignment gaps too: a snapshot's bytes are its state's alone
         buffers.update(layout=layout, data=data, views=_views(data, layout))
     for tensor, view in zip(tensors, buffers["views"], strict=True):
         view.copy_(tensor)
@@ -308,9 +312,15 @@ class LocalTier:
     """
 
     def __init__(
-        self, root: Path, *, every: int, group: dist.ProcessGroup, save_group: dist.ProcessGroup, events: EventLog,
+        self,
+        root: Path,
+        *,
+        every: int,
+        group: dist.ProcessGroup,
+        save_group: dist.ProcessGroup,
+        events: EventLog,
         replication: tuple | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.root = Path(root)
         self.every = every
         self.group, self.save_group = group, save_group
@@ -322,7 +332,10 @@ class LocalTier:
         # is under its checkpoint's SHA-256 too, checked before it is loaded.
         torch.serialization.set_crc32_options(False)
         self.retrieval, self.replication = (
-            (CliqueReplicationStrategy(_HostGroup(replication[0])), CliqueReplicationStrategy(_HostGroup(replication[1])))
+            (
+                CliqueReplicationStrategy(_HostGroup(replication[0])),
+                CliqueReplicationStrategy(_HostGroup(replication[1])),
+            )
             if replication
             else (None, None)
         )
@@ -333,7 +346,11 @@ class LocalTier:
         self._buffers: dict = {}
         self._pending: _LocalWrite | None = None
         """The write this incarnation handed over and has not agreed on yet."""
-        if (abandoned := LocalTier._in_flight) is not None and abandoned.thread is not None and abandoned.thread.ident is not None:
+        if (
+            (abandoned := LocalTier._in_flight) is not None
+            and abandoned.thread is not None
+            and abandoned.thread.ident is not None
+        ):
             abandoned.thread.join()  # a memory copy: short. What it wrote counts if every rank verifies it.
         LocalTier._in_flight = None
         self.off: str | None = None
@@ -373,9 +390,13 @@ class LocalTier:
             states, ids = self.replication.replicate(snapshots[ckpt_id], ckpt_id)
             snapshots = dict(zip(ids, states, strict=True))
         replicated = time.perf_counter()
-        phases = {"collect": collected - started} | ({"replicate": replicated - collected} if self.replication is not None else {})
+        phases = {"collect": collected - started} | (
+            {"replicate": replicated - collected} if self.replication is not None else {}
+        )
         write = _LocalWrite(step, started, blocking_s=0.0, phases=phases)
-        write.thread = threading.Thread(target=self._write, args=(write, snapshots), name="local-tier-write", daemon=True)
+        write.thread = threading.Thread(
+            target=self._write, args=(write, snapshots), name="local-tier-write", daemon=True
+        )
         self._pending = LocalTier._in_flight = write
         write.thread.start()
         write.blocking_s = time.perf_counter() - started
@@ -426,17 +447,24 @@ class LocalTier:
             return
         if not ok.item():
             self.events.emit(
-                CheckpointFailed(step=write.step, mode="async", tier="local", error=f"{write.error or 'failed on another rank'}")
+                CheckpointFailed(
+                    step=write.step, mode="async", tier="local", error=f"{write.error or 'failed on another rank'}"
+                )
             )
             return
         path = self.manager._local_ckpt_path_from_id(self.manager._ckpt_id(write.step))
         phases = {**write.phases, "wait": joined - entered, "agree": agreed - joined}
         self.events.emit(
             Checkpoint(
-                step=write.step, mode="async", tier="local", blocking_s=write.blocking_s + (agreed - entered),
-                total_s=agreed - write.started, bytes=path.stat().st_size, phases=phases,
+                step=write.step,
+                mode="async",
+                tier="local",
+                blocking_s=write.blocking_s + (agreed - entered),
+                total_s=agreed - write.started,
+                bytes=path.stat().st_size,
+                phases=phases,
             )
-        )  # fmt: skip
+        )
 
     def newest_own(self) -> Path:
         """This rank's own newest snapshot file, once the write in flight is done (what

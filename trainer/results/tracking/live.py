@@ -9,7 +9,15 @@ from pathlib import Path
 
 from trainer.events import EVENTS_FILE, Event, EventTail, Step
 from trainer.results.tracking.metrics import metric_points
-from trainer.results.tracking.runs import DEFAULT_EXPERIMENT, RUN_KEY_TAG, _client, find_or_create_run, log_points, run_key, source_tags
+from trainer.results.tracking.runs import (
+    DEFAULT_EXPERIMENT,
+    RUN_KEY_TAG,
+    _client,
+    find_or_create_run,
+    log_points,
+    run_key,
+    source_tags,
+)
 from trainer.results.tracking.uri import TrackingError, redact, resolve_tracking_uri, wait_for_server
 
 
@@ -100,7 +108,12 @@ class LiveLogger:
                 client, self.uri, self.experiment, RUN_KEY_TAG, key, run_name=self.run_name, start_time=start
             )
             if found is None:  # a new run: tagged, so that log_run finds it again
-                run_tags = {**source_tags(), **self.tags, RUN_KEY_TAG: key, "rfsdp.run_dir": str(self.run_dir.resolve())}
+                run_tags = {
+                    **source_tags(),
+                    **self.tags,
+                    RUN_KEY_TAG: key,
+                    "rfsdp.run_dir": str(self.run_dir.resolve()),
+                }
                 client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in run_tags.items()])
         log_points(client, self.run_id, points)
         self._done_before = max([self._done_before, *(e.step for e in self._waiting if isinstance(e, Step))])

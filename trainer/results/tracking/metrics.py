@@ -96,7 +96,12 @@ def metric_points(
             if e.step_time_s > 0 and e.tokens:
                 points.append(("tokens_per_s", e.tokens / e.step_time_s, ts, e.step))
         elif isinstance(e, Checkpoint):
-            for key, value in (("blocking_s", e.blocking_s), ("total_s", e.total_s), ("bytes", e.bytes), ("write_mb_s", e.write_mb_s)):
+            for key, value in (
+                ("blocking_s", e.blocking_s),
+                ("total_s", e.total_s),
+                ("bytes", e.bytes),
+                ("write_mb_s", e.write_mb_s),
+            ):
                 points.append((f"{_TIER_PREFIX[e.tier]}ckpt_{key}", value, ts, e.step))
         elif isinstance(e, CheckpointFailed):
             points.append((f"{_TIER_PREFIX[e.tier]}ckpt_failed_step", e.step, ts, e.step))
@@ -104,7 +109,11 @@ def metric_points(
             n_faults += 1
             points.append(("fault_step", e.step, ts, n_faults))
         elif isinstance(e, Restart):
-            for key, value in (("recovery_s", e.recovery_s), ("lost_steps", e.lost_steps), ("resumed_from_step", e.resumed_from_step)):
+            for key, value in (
+                ("recovery_s", e.recovery_s),
+                ("lost_steps", e.lost_steps),
+                ("resumed_from_step", e.resumed_from_step),
+            ):
                 points.append((f"restart_{key}", value, ts, e.attempt))
             points.append((f"restart_{e.layer}_recovery_s", e.recovery_s, ts, e.attempt))
             points.append((f"restart_lost_steps_{e.source}", e.lost_steps, ts, e.attempt))  # by the tier resumed from

@@ -18,7 +18,14 @@ from urllib.parse import urlparse
 
 from trainer.events import EVENTS_FILE, Event, first_run_start_line, read_events, session_finished
 from trainer.results.tracking.metrics import checkpoint_table, metric_points, restart_table, run_params
-from trainer.results.tracking.uri import TrackingError, artifact_location, redact, redact_uri, resolve_tracking_uri, wait_for_server
+from trainer.results.tracking.uri import (
+    TrackingError,
+    artifact_location,
+    redact,
+    redact_uri,
+    resolve_tracking_uri,
+    wait_for_server,
+)
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -190,7 +197,19 @@ def log_run(
     from requests.exceptions import RequestException
 
     try:
-        return _log(run_dir, events_path, events, uri, experiment, key, hashes, tags or {}, validation, failure, run_name or run_dir.name)
+        return _log(
+            run_dir,
+            events_path,
+            events,
+            uri,
+            experiment,
+            key,
+            hashes,
+            tags or {},
+            validation,
+            failure,
+            run_name or run_dir.name,
+        )
     except (MlflowException, RequestException, OSError) as e:
         raise TrackingError(redact(f"logging {run_dir} to MLflow at {uri} failed: {e}. {again}", uri)) from None
 
@@ -247,7 +266,10 @@ def log_failed_attempt(
 
 
 def _failure_tags(failure: Failure) -> dict[str, str]:
-    return {FAILED_STEP_TAG: failure.step, FAILURE_REASON_TAG: failure.reason[-_TAG_MAX:]}  # the end of a reason says the most
+    return {
+        FAILED_STEP_TAG: failure.step,
+        FAILURE_REASON_TAG: failure.reason[-_TAG_MAX:],
+    }  # the end of a reason says the most
 
 
 def _client(uri: str) -> MlflowClient:
@@ -285,7 +307,9 @@ def _log(
     status = "FAILED" if failure is not None or not session_finished(events) else "FINISHED"
     end_time = int(events[-1].time * 1000)
     start_time = int(events[0].time * 1000)
-    run_id, run = find_or_create_run(client, uri, experiment, RUN_KEY_TAG, key, run_name=run_name, start_time=start_time)
+    run_id, run = find_or_create_run(
+        client, uri, experiment, RUN_KEY_TAG, key, run_name=run_name, start_time=start_time
+    )
     if run is not None:
         for stale in (FAILED_STEP_TAG, FAILURE_REASON_TAG):  # an earlier failure this run has got past
             if failure is None and stale in run.data.tags:
@@ -325,7 +349,9 @@ def _experiment_id(client: MlflowClient, uri: str, name: str) -> str:
     existing = client.get_experiment_by_name(name)
     if existing is not None:
         if existing.lifecycle_stage == "deleted":
-            raise ValueError(f"--experiment: {name!r} is deleted in {redact_uri(uri)}; restore it or choose another name")
+            raise ValueError(
+                f"--experiment: {name!r} is deleted in {redact_uri(uri)}; restore it or choose another name"
+            )
         return existing.experiment_id
     try:
         return client.create_experiment(name, artifact_location=artifact_location(uri, name))
@@ -341,7 +367,14 @@ PARENT_RUN_TAG = "mlflow.parentRunId"
 
 
 def find_or_create_run(
-    client: MlflowClient, uri: str, experiment: str, tag: str, value: str, *, run_name: str, start_time: int | None = None
+    client: MlflowClient,
+    uri: str,
+    experiment: str,
+    tag: str,
+    value: str,
+    *,
+    run_name: str,
+    start_time: int | None = None,
 ) -> tuple[str, Run | None]:
     """The run of ``experiment`` (created when missing) tagged ``tag`` = ``value``, else a new one
     named ``run_name`` that starts at ``start_time`` (ms; default: now). The new run carries the tag

@@ -52,7 +52,9 @@ def redact_uri(uri: str) -> str:
         return "<unparseable tracking URI>"
     netloc = parts.netloc.rpartition("@")[2]
     pairs = [pair.partition("=") for pair in parts.query.split("&")] if parts.query else []
-    query = "&".join(f"{k}={REDACTED}" if v and _SECRET_QUERY_KEY.search(unquote(k)) else f"{k}{eq}{v}" for k, eq, v in pairs)
+    query = "&".join(
+        f"{k}={REDACTED}" if v and _SECRET_QUERY_KEY.search(unquote(k)) else f"{k}{eq}{v}" for k, eq, v in pairs
+    )
     if netloc == parts.netloc and query == parts.query:
         return uri
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
@@ -120,7 +122,9 @@ def check_tracking_uri(tracking_uri: str) -> str:
         raise ParameterError("tracking_uri", f"{shown!r} is not a URI ({redact(str(e), tracking_uri)})") from None
     scheme = parsed.scheme.split("+")[0]  # postgresql+psycopg2://...
     if scheme not in _STORE_SCHEMES:
-        raise ParameterError("tracking_uri", f"{shown!r} is not an MLflow tracking URI (scheme one of {', '.join(_STORE_SCHEMES)})")
+        raise ParameterError(
+            "tracking_uri", f"{shown!r} is not an MLflow tracking URI (scheme one of {', '.join(_STORE_SCHEMES)})"
+        )
     if scheme in ("http", "https") and not hostname:
         raise ParameterError("tracking_uri", f"{shown!r} names no host")
     if scheme == "sqlite" and not tracking_uri.startswith("sqlite:///"):
