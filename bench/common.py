@@ -111,7 +111,7 @@ def run_torchrun(
         *args,
     ]
     # By default torchrun's workers share the rendezvous store across restarts; a restarted
-    # worker then reads the dead generation's address of a second gloo group (the trainer's
+    # worker then reads the dead attempt's address of a second gloo group (the trainer's
     # checkpoint group) and fails to connect. A fresh store per restart (ft_launcher's behaviour).
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -145,11 +145,11 @@ def run_torchrun_trainer(cfg: TrainConfig, *, max_restarts: int, timeout: float 
 def fault_recoveries(events: list[Event]) -> list[dict]:
     """Each injected fault of a run, in order, and how the run came back from it.
 
-    Measured from the ``fault``, ``step`` and generation events, the same way for every launcher.
-    The run is back at the first step of the generation that followed the fault: the step just
+    Measured from the ``fault``, ``step``, ``restart`` and ``run_start`` events, the same way for every launcher.
+    The run is back at the first step of the attempt that followed the fault: the step just
     before the next ``restart`` event (written right after that step), or the first step after
     the next ``run_start`` (a cold restart). Not simply the first step after the fault: a
-    surviving rank of the dead generation may still log the step it was finishing.
+    surviving rank of the dead attempt may still log the step it was finishing.
     ``recovery_s``: from the fault to that step; ``lost_steps``: the steps completed before it
     and redone after it; ``resumed_from_step``; ``layer``, ``source`` (the checkpoint tier resumed
     from) and ``phases`` (when each stage of the recovery ended, seconds after the fault) from the
@@ -184,7 +184,7 @@ def fault_recoveries(events: list[Event]) -> list[dict]:
 
 
 def _back_after(events: list[Event], i: int) -> tuple[int | None, Restart | None]:
-    """Where the first step of the generation that followed the fault ``events[i]`` is in
+    """Where the first step of the attempt that followed the fault ``events[i]`` is in
     ``events``, and its ``restart`` event.
     """
     for j in range(i + 1, len(events)):
@@ -192,7 +192,7 @@ def _back_after(events: list[Event], i: int) -> tuple[int | None, Restart | None
             return _first_step(events, range(j - 1, i, -1)), events[j]
         if isinstance(events[j], RunStart):
             return _first_step(events, range(j, len(events))), None
-    # No new generation (a fault the run rode through): the next step it completed.
+    # No new attempt (a fault the run rode through): the next step it completed.
     return _first_step(events, range(i, len(events))), None
 
 

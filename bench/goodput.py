@@ -68,12 +68,12 @@ def step_wall_times(events: list[Event]) -> tuple[float, float]:
     (each step's last ``step`` event), lost for the steps done before a fault and redone after it.
 
     A step's wall time is the time since the step completed just before it, when that was the
-    previous step of the same generation; the first step of a start or of a recovery (after a
+    previous step of the same attempt; the first step of a start or of a recovery (after a
     ``fault`` or ``run_start``; ``restart`` is written just after its first step) has no such
     predecessor and counts its own ``step_time_s``.
     """
     final = {id(e) for e in final_steps(events).values()}
-    entries: list[list] = []  # [step event, first of its generation]
+    entries: list[list] = []  # [step event, first of its attempt]
     fresh = True
     for e in events:
         if isinstance(e, FaultFired | RunStart):

@@ -1,4 +1,4 @@
-"""The NVRx writer's life cycle across incarnations (its real background worker, forked from the
+"""The NVRx writer's life cycle across attempts (its real background worker, forked from the
 rank), on the policy and fake writer of tests/unit/test_checkpointer.py.
 """
 
@@ -31,9 +31,9 @@ one_rank = test_checkpointer.one_rank  # a fixture of the unit tests'
 
 
 # ------------------------------------------------------------------ the real NVRx writer
-def test_async_writer_never_finalizes_an_earlier_incarnations_write(one_rank: None, tmp_path: Path) -> None:
-    """A fault ends an incarnation with its save in flight and no cleanup run (in-process restart
-    raises anywhere): the next incarnation's group abandons that write, waits for the worker, and
+def test_async_writer_never_finalizes_an_earlier_attempts_write(one_rank: None, tmp_path: Path) -> None:
+    """A fault ends an attempt with its save in flight and no cleanup run (in-process restart
+    raises anywhere): the next attempt's group abandons that write, waits for the worker, and
     its own saves publish."""
     from trainer.rank.resilience import AsyncCheckpointWriter
 
@@ -114,11 +114,11 @@ def test_an_async_save_copies_the_state_beside_the_next_step_and_writes_it_as_it
         writer.close()
 
 
-def test_the_async_writer_reports_progress_while_it_makes_its_buffers(one_rank: None, tmp_path: Path) -> None:
+def test_the_async_writer_heartbeats_while_it_makes_its_buffers(one_rank: None, tmp_path: Path) -> None:
     """A large state's staging buffers take seconds to make (1-2 s for the base model on 2 CPUs):
-    the writer calls ``alive`` after each one, so hang detection does not take that for a hang;
+    the writer calls ``heartbeat`` after each one, so hang detection does not take that for a hang;
     the buffers are shared memory shaped like the state. The ranks then meet (on a group with a
-    long timeout) before the planning collective, once per incarnation: one rank may be seconds
+    long timeout) before the planning collective, once per attempt: one rank may be seconds
     later than another."""
     from trainer.rank.resilience import AsyncCheckpointWriter
 
@@ -129,14 +129,14 @@ def test_the_async_writer_reports_progress_while_it_makes_its_buffers(one_rank: 
         moments = {name: {"exp_avg": torch.zeros(64), "step": torch.tensor(3.0)} for name in params}
         tensors = {"model": params, "optim": {"state": moments, "param_groups": [{"lr": 0.1, "params": list(params)}]}}
         group = new_group()
-        hooks = SaveHooks(alive=lambda: made.append("alive"), meet=lambda: made.append("meet"))
+        hooks = SaveHooks(heartbeat=lambda: made.append("heartbeat"), meet=lambda: made.append("meet"))
         writer.prepare(tensors, tmp_path / "scratch", group, hooks)
         staging = writer._current.staging
-        assert made.count("alive") >= len(params) + 2 * len(moments)  # at least once per tensor
+        assert made.count("heartbeat") >= len(params) + 2 * len(moments)  # at least once per tensor
         assert made[-1] == "meet" and made.count("meet") == 1  # after the last buffer
         assert writer.poll(group)
         writer.start(tensors, tmp_path / "save", group, hooks)
-        assert made.count("meet") == 1  # the buffers are made once per incarnation
+        assert made.count("meet") == 1  # the buffers are made once per attempt
         assert staging["optim"]["param_groups"] == tensors["optim"]["param_groups"]
         buffers = [*staging["model"].values(), *(m["exp_avg"] for m in staging["optim"]["state"].values())]
         assert all(b.is_shared() and b.shape == (64,) for b in buffers)

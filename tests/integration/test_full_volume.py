@@ -106,7 +106,7 @@ def test_a_full_volume_ends_the_job_with_a_fatal_event_not_a_restart_loop(data_d
     fatal = [e for e in events if isinstance(e, Fatal)]
     assert fatal and all("[Errno 28]" in e.error and e.job == fatal[0].job for e in fatal)
     # No rank trained again: a restarted rank would meet the full volume again and write another
-    # fatal (the reserve holds room for several); each rank of the first incarnation wrote one at most.
+    # fatal (the reserve holds room for several); each rank of the first attempt wrote one at most.
     assert len({e.rank for e in fatal}) == len(fatal) <= 2
     assert not [e for e in events if isinstance(e, Restart)]
     assert max(e.step for e in events if isinstance(e, Step)) >= FILL_AT_STEP

@@ -166,7 +166,7 @@ def test_every_recovery_and_save_has_its_timeline(faulted_run: FaultedRun) -> No
         "agree",
         "publish",
     ]
-    # the first save of an incarnation first reports the writer's warm-up, done steps before it
+    # the first save of an attempt first reports the writer's warm-up, done steps before it
     assert saves and list(saves[0].phases) == ["prepare", *async_phases]
     for c in saves:
         save_phases = {k: v for k, v in c.phases.items() if k != "prepare"}

@@ -1,5 +1,5 @@
 """The checkpoint policy in milliseconds (a fake writer, one process on a 1-rank gloo group), and
-the writers' parts that run in this process. The NVRx writer's life cycle across incarnations
+the writers' parts that run in this process. The NVRx writer's life cycle across attempts
 (its real background worker, a process of its own): tests/integration/test_checkpointer_runs.py.
 """
 
@@ -99,7 +99,7 @@ class FakeWriter:
 
 
 def checkpointer(run_dir: Path, writer: object, **kw: object) -> Checkpointer:
-    """A Checkpointer on a fresh group: each call is a new incarnation of the training function."""
+    """A Checkpointer on a fresh group: each call is a new attempt of the training function."""
     options = {"every": 3, "keep_last": 2, **kw}
     return Checkpointer(
         run_dir, writer=writer, group=new_group(), events=EventLog(run_dir, 0), fingerprint="f", **options
@@ -139,7 +139,7 @@ def test_a_failed_write_is_reported_and_the_next_interval_saves_again(one_rank: 
 
 
 def test_a_save_waits_until_nothing_is_being_written(one_rank: None, tmp_path: Path) -> None:
-    """An earlier incarnation's write still running: the first save waits for it, beating the
+    """An earlier attempt's write still running: the first save waits for it, beating the
     heartbeat, instead of staging into buffers the worker is still reading."""
     writer, beats = FakeWriter(), []
     ckpt = checkpointer(tmp_path, writer, heartbeat=lambda: beats.append(1))
@@ -187,8 +187,8 @@ def test_each_phase_reaches_the_hook_in_order(one_rank: None, tmp_path: Path) ->
     assert phases == [(3, phase) for phase in SAVE_PHASES]
 
 
-def test_the_writer_is_prepared_once_per_incarnation_before_its_first_save(one_rank: None, tmp_path: Path) -> None:
-    """After the incarnation's first step (the state is complete from there), not at a save."""
+def test_the_writer_is_prepared_once_per_attempt_before_its_first_save(one_rank: None, tmp_path: Path) -> None:
+    """After the attempt's first step (the state is complete from there), not at a save."""
     writer = FakeWriter()
     run_steps(checkpointer(tmp_path, writer), 7)
     assert writer.prepared == [state(1)[0]]  # at step 1 only: step 3 is the first save
@@ -217,14 +217,14 @@ def test_a_copy_to_staging_that_fails_fails_the_write_it_was_for() -> None:
     _wait_for_copy(copied, 3)
 
 
-def test_a_sync_save_reports_progress_as_it_writes_and_hashes(one_rank: None, tmp_path: Path) -> None:
-    """A sync save runs in the loop, seconds for a large state: ``alive`` is called after each
+def test_a_sync_save_heartbeats_as_it_writes_and_hashes(one_rank: None, tmp_path: Path) -> None:
+    """A sync save runs in the loop, seconds for a large state: ``heartbeat`` is called after each
     write into the shard and each chunk hashed, and the shard is DCP's own (it loads back)."""
     made: list[bool] = []  # per call: whether DCP's save was complete (then it is the hashing's)
     tensors = {"model": {f"w{i}": torch.full((1024,), float(i)) for i in range(4)}}
     (tmp_path / "rank0.pt").write_bytes(b"rank state")  # what the Checkpointer writes first
     SyncDcpWriter().start(
-        tensors, tmp_path, new_group(), SaveHooks(alive=lambda: made.append((tmp_path / ".metadata").exists()))
+        tensors, tmp_path, new_group(), SaveHooks(heartbeat=lambda: made.append((tmp_path / ".metadata").exists()))
     )
     assert len(made) >= len(tensors["model"]) + 2  # a write per tensor, a chunk per file hashed
     assert made.count(True) == 2  # the shard and the rank state: one chunk each

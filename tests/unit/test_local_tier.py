@@ -91,7 +91,7 @@ def test_snapshots_are_bounded_checksummed_and_a_corrupt_one_is_skipped(
 
 def test_the_background_write_keeps_the_state_it_was_handed(one_rank: dist.ProcessGroup, tmp_path: Path) -> None:
     """The snapshot is written beside training, which changes the live tensors in place: what is
-    written is the copy taken when the save was handed over. The next incarnation (an in-process
+    written is the copy taken when the save was handed over. The next attempt (an in-process
     restart, which never agreed on that write) waits for it before it looks at the snapshots."""
     (tmp_path / "run").mkdir()
 

@@ -235,16 +235,16 @@ def test_a_second_fault_before_the_first_ones_step_counts_only_its_own_lost_step
     """Faults at step 27 and, after resuming from 20, at step 23: the second restart redoes 21-22,
     not 21-27 again (the steps each restart counts are the steps run more than once)."""
     step = partial(Step, loss=1.0, step_time_s=0.1)
-    first_incarnation = [RunStart(config={}, resumed_from_step=0, world_size=2), *(step(step=s) for s in range(1, 28))]
+    first_attempt = [RunStart(config={}, resumed_from_step=0, world_size=2), *(step(step=s) for s in range(1, 28))]
     fault = FaultFired(kind="sigkill", step=28)
     restarted = [
         step(step=21),
         Restart(layer="in_job", attempt=1, resumed_from_step=20, lost_steps=7, recovery_s=1.0),
         step(step=22),
     ]
-    history = RunHistory.of([*first_incarnation, fault])
+    history = RunHistory.of([*first_attempt, fault])
     assert describe_restart(history, layer="in_job", resumed_from=20, first_step=step(step=21)).lost_steps == 7
-    history = RunHistory.of([*first_incarnation, fault, *restarted, fault])
+    history = RunHistory.of([*first_attempt, fault, *restarted, fault])
     assert describe_restart(history, layer="in_job", resumed_from=20, first_step=step(step=21)).lost_steps == 2
 
 
@@ -270,11 +270,11 @@ def test_recovery_layer() -> None:
     crashed = [RunStart(config={}, resumed_from_step=0, world_size=2), Step(step=1, loss=1.0, step_time_s=0.1)]
     finished = [*crashed, RunEnd(status="stopped")]
     crashed, finished = RunHistory.of(crashed), RunHistory.of(finished)
-    assert recovery_layer(crashed, in_process_iteration=1, in_job_restart=0) == "in_process"
-    assert recovery_layer(finished, in_process_iteration=0, in_job_restart=2) == "in_job"
-    assert recovery_layer(crashed, in_process_iteration=0, in_job_restart=0) == "in_job"  # a replaced replica
-    assert recovery_layer(finished, in_process_iteration=0, in_job_restart=0) is None  # a deliberate resume
-    assert recovery_layer(RunHistory(), in_process_iteration=0, in_job_restart=0) is None
+    assert recovery_layer(crashed, in_process_attempt=1, in_job_restart=0) == "in_process"
+    assert recovery_layer(finished, in_process_attempt=0, in_job_restart=2) == "in_job"
+    assert recovery_layer(crashed, in_process_attempt=0, in_job_restart=0) == "in_job"  # a replaced replica
+    assert recovery_layer(finished, in_process_attempt=0, in_job_restart=0) is None  # a deliberate resume
+    assert recovery_layer(RunHistory(), in_process_attempt=0, in_job_restart=0) is None
 
 
 def test_a_run_history_keeps_what_a_restart_needs_and_reads_only_its_kinds(tmp_path: Path) -> None:

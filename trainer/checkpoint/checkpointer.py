@@ -50,7 +50,7 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 _PUBLISHED = re.compile(r"^step_(\d{6})$")
 PREPARE_DIR = "prepare.tmp"
-"""Scratch directory (+ the generation tag) of a writer's :meth:`Checkpointer.prepare`."""
+"""Scratch directory (+ the attempt tag) of a writer's :meth:`Checkpointer.prepare`."""
 WRITE_FLOOR_BYTES_PER_S = 20e6
 """The slowest a healthy background write of a rank's shard is taken to be (20 MB/s): below any
 shared volume's write and a SHA-256 pass on one core (hundreds of MB/s), with room for a slow NFS
@@ -90,7 +90,7 @@ class _Pending:
     marks: list[tuple[str, float]]
     """(phase, perf_counter when it ended), in order: the save's timeline."""
     prepare_s: float | None = None
-    """The writer's warm-up before this save (the incarnation's first), done earlier: not its stall."""
+    """The writer's warm-up before this save (the attempt's first), done earlier: not its stall."""
     copied: dict[str, float] = field(default_factory=dict)
     """``copy`` (the background copy into staging buffers) and ``copy_wait`` (the training
     loop's wait for it before the next update: stall), once waited for."""
@@ -141,7 +141,7 @@ class Checkpointer:
             save_group: the collectives of saves inside the training loop (default ``group``); its
                 timeout bounds how long a rank waits there for a peer that has faulted.
             heartbeat: called while waiting for a write and through a writer's long work
-                (``SaveHooks.alive``), so neither is taken for a hang.
+                (``SaveHooks.heartbeat``), so neither is taken for a hang.
             hang_timeout: the run's hang timeout (seconds): the least a wait for a background write
                 is bounded by (:meth:`write_bound`); None: no bound.
             on_published: receives each published checkpoint directory (rank 0).
@@ -167,12 +167,12 @@ class Checkpointer:
         self.pending: _Pending | None = None
         self.saved_step: int | None = None
         """The newest checkpoint this session resumed from or published (rank 0; every rank after the last save)."""
-        self._warm = False  # the writer has planned (prepared or saved) for this incarnation's state
+        self._warm = False  # the writer has planned (prepared or saved) for this attempt's state
         self.prepare_s: float | None = None  # how long :meth:`prepare` took, until the first save reports it
-        # A generation tag keeps this incarnation's temp dirs apart from a dead one's.
+        # An attempt tag keeps this attempt's temp dirs apart from a dead one's.
         tag = [f"{time.time_ns():x}" if self.rank == 0 else None]
         dist.broadcast_object_list(tag, src=0, group=group)
-        self.generation = tag[0]
+        self.attempt_tag = tag[0]
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
         dist.barrier(group=group)
@@ -293,14 +293,14 @@ class Checkpointer:
             )
 
     def prepare(self, state: Callable[[], tuple[dict, dict]]) -> None:
-        """Warm the writer up for this incarnation's saves (collective): :meth:`step` calls it
-        after the incarnation's first step that is not a save, when the state is complete (a
+        """Warm the writer up for this attempt's saves (collective): :meth:`step` calls it
+        after the attempt's first step that is not a save, when the state is complete (a
         fresh optimizer's moments exist only after its first step). Its time is the first saved
         checkpoint's ``prepare`` phase, apart from that save's stall.
         """
         t0 = time.perf_counter()
-        scratch = self.root / f"{PREPARE_DIR}{self.generation}"
-        hooks = SaveHooks(alive=self.heartbeat, meet=self._meet)
+        scratch = self.root / f"{PREPARE_DIR}{self.attempt_tag}"
+        hooks = SaveHooks(heartbeat=self.heartbeat, meet=self._meet)
         self.writer.prepare(state()[0], scratch, self.save_group, hooks)  # collective: every rank is done with it after
         if self.rank == 0:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -314,10 +314,10 @@ class Checkpointer:
         durably), then for an async save ``stage``, ``plan`` and ``handoff`` (the training loop
         goes on after it), ``background`` (until every rank's write is done); for a sync save
         ``write``; then ``agree`` (every rank's part on disk) and ``publish``. The first save of
-        an incarnation also reports ``prepare`` first: the writer's warm-up (:meth:`prepare`),
+        an attempt also reports ``prepare`` first: the writer's warm-up (:meth:`prepare`),
         done steps earlier, so neither in this save's stall nor in its time to durable.
         """
-        pending = _Pending(step, self.root / f"{step_dir_name(step)}.tmp{self.generation}", time.time(), 0.0, [])
+        pending = _Pending(step, self.root / f"{step_dir_name(step)}.tmp{self.attempt_tag}", time.time(), 0.0, [])
         pending.prepare_s, self.prepare_s, self._warm = self.prepare_s, None, True
         pending.mark("start")
         self._poll(blocking=True)
@@ -335,7 +335,7 @@ class Checkpointer:
             if self.on_phase is not None:
                 self.on_phase(step, phase)
 
-        hooks = SaveHooks(on_phase=on_phase, atomic=self.atomic, alive=self.heartbeat, meet=self._meet)
+        hooks = SaveHooks(on_phase=on_phase, atomic=self.atomic, heartbeat=self.heartbeat, meet=self._meet)
         self.writer.start(tensors, pending.tmp_dir, self.save_group, hooks)
         pending.mark("handoff" if self.writer.mode == "async" else "write")
         pending.blocking_s = pending.marks[-1][1] - pending.marks[0][1]
@@ -363,7 +363,7 @@ class Checkpointer:
 
     def _meet(self) -> None:
         # On the checkpoint group, whose timeout allows for uneven work (a save's collectives in
-        # the loop have a training collective's): a barrier polled so this rank keeps reporting.
+        # the loop have a training collective's): a barrier polled so this rank keeps its heartbeat.
         arrived = dist.barrier(group=self.group, async_op=True)
         while not arrived.is_completed():
             self.heartbeat()
@@ -372,7 +372,7 @@ class Checkpointer:
 
     def _poll(self, *, blocking: bool) -> None:
         # Non-blocking with nothing pending: no collective. Blocking: also waits for a write
-        # abandoned by an earlier incarnation to end on every rank.
+        # abandoned by an earlier attempt to end on every rank.
         pending = self.pending
         if pending is None and not blocking:
             return
@@ -485,7 +485,7 @@ class Checkpointer:
         atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
         final = self.root / step_dir_name(pending.step)
         if final.exists():  # a published one that failed verification at resume: keep it aside
-            final.rename(final.with_name(f"{final.name}.invalid{self.generation}"))
+            final.rename(final.with_name(f"{final.name}.invalid{self.attempt_tag}"))
         tmp.rename(final)
         fsync_dir(self.root)
         atomic_write_text(self.root / LATEST, final.name + "\n")
@@ -509,7 +509,7 @@ class Checkpointer:
         # for whoever looks into it, under a name no reader or retention counts: ``step_N.rejected``.
         aside = path.with_name(f"{path.name}.rejected")
         if aside.exists():
-            aside = path.with_name(f"{path.name}.rejected{self.generation}")
+            aside = path.with_name(f"{path.name}.rejected{self.attempt_tag}")
         try:
             path.rename(aside)
         except OSError:  # left where it is (and counted), rather than ending the resume
@@ -518,7 +518,7 @@ class Checkpointer:
         return aside
 
     def _remove_stale_temp_dirs(self) -> None:
-        # Unpublished saves of dead generations can never be completed.
+        # Unpublished saves of dead attempts can never be completed.
         for path in chain(self.root.glob("step_*.tmp*"), self.root.glob(f"{PREPARE_DIR}*")):
             shutil.rmtree(path, ignore_errors=True)
 

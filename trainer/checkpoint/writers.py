@@ -27,16 +27,16 @@ class CheckpointWriteError(RuntimeError):
     """A background write failed on at least one rank (raised on every rank alike)."""
 
 
-def write_rank_checksums(directory: Path, rank: int, *, progress: Callable[[], None] = lambda: None) -> None:
+def write_rank_checksums(directory: Path, rank: int, *, heartbeat: Callable[[], None] = lambda: None) -> None:
     """Hash this rank's files of a checkpoint and record them durably (``checksums_rank<R>.json``).
 
     Runs right after the rank's shard is written: in the background worker for async saves, in
-    the loop (``progress`` called as it reads) for sync ones.
+    the loop (``heartbeat`` called as it reads) for sync ones.
     """
     directory = Path(directory)
     names = [p.name for p in directory.glob(f"__{rank}_*.distcp")] + [rank_state_file(rank)]
     record = {
-        name: {"size": (directory / name).stat().st_size, "sha256": file_sha256(directory / name, progress=progress)}
+        name: {"size": (directory / name).stat().st_size, "sha256": file_sha256(directory / name, progress=heartbeat)}
         for name in names
     }
     atomic_write_text(
@@ -56,11 +56,11 @@ class SaveHooks:
     """Called as the save reaches each of ``SAVE_PHASES`` (fault injection fires here)."""
     atomic: Callable[[], AbstractContextManager] = nullcontext
     """A section that in-process restart must not interrupt (sending a write to a worker)."""
-    alive: Callable[[], None] = lambda: None
+    heartbeat: Callable[[], None] = lambda: None
     """Called through work that may take seconds (buffers made, a sync save's writes), so that
     hang detection does not take it for a hang."""
     meet: Callable[[], None] = lambda: None
-    """Waits for every rank, reporting progress, where ranks may arrive seconds apart (after the
+    """Waits for every rank, beating the heartbeat, where ranks may arrive seconds apart (after the
     buffers are made) and the next collective is on ``group``, whose timeout is a training
     collective's."""
 
@@ -86,14 +86,14 @@ class CheckpointWriter(Protocol):
         """Collective: do now, once the state is complete, what the first :meth:`start` on
         ``group`` would otherwise pay (buffers, plans), so that it stalls no longer than the
         saves after it; ``directory`` is scratch space, removed afterwards. May do nothing.
-        Uses ``hooks.alive`` and ``hooks.meet``.
+        Uses ``hooks.heartbeat`` and ``hooks.meet``.
         """
 
     def poll(self, group: dist.ProcessGroup) -> bool:
         """Collective (same iteration on every rank), non-blocking: True once nothing is being
         written on any rank, the write started last on ``group`` then being durable and finalized.
         Raises CheckpointWriteError on every rank alike if that write failed. A write started on
-        another group (an earlier incarnation's, after a fault) is never finalized.
+        another group (an earlier attempt's, after a fault) is never finalized.
         """
 
     def abandon(self) -> None:
@@ -105,28 +105,28 @@ class CheckpointWriter(Protocol):
         """Release background resources."""
 
 
-class _FileSystemReportingWrites(FileSystem):
-    """DCP's local file system, calling ``alive`` after each write into a file it creates."""
+class _FileSystemHeartbeatingWrites(FileSystem):
+    """DCP's local file system, calling ``heartbeat`` after each write into a file it creates."""
 
-    def __init__(self, alive: Callable[[], None]) -> None:
+    def __init__(self, heartbeat: Callable[[], None]) -> None:
         super().__init__()
-        self.alive = alive
+        self.heartbeat = heartbeat
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
         with super().create_stream(path, mode) as stream:
-            yield _ReportingStream(stream, self.alive) if "w" in mode else stream
+            yield _HeartbeatingStream(stream, self.heartbeat) if "w" in mode else stream
 
 
-class _ReportingStream:
-    """A file whose writes call ``alive`` (everything else is the file's)."""
+class _HeartbeatingStream:
+    """A file whose writes call ``heartbeat`` (everything else is the file's)."""
 
-    def __init__(self, stream: io.IOBase, alive: Callable[[], None]) -> None:
-        self._stream, self._alive = stream, alive
+    def __init__(self, stream: io.IOBase, heartbeat: Callable[[], None]) -> None:
+        self._stream, self._heartbeat = stream, heartbeat
 
     def write(self, data: bytes) -> int:
         written = self._stream.write(data)
-        self._alive()
+        self._heartbeat()
         return written
 
     def __getattr__(self, name: str) -> object:
@@ -139,13 +139,13 @@ class SyncDcpWriter:
     mode = "sync"
 
     def start(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:
-        """Write, fsync and checksum the shard before returning, calling ``hooks.alive`` as it
+        """Write, fsync and checksum the shard before returning, calling ``hooks.heartbeat`` as it
         writes and reads: a large state's save takes seconds in the loop, not a hang.
         """
         storage = dcp.FileSystemWriter(directory, sync_files=True)
-        storage.fs = _FileSystemReportingWrites(hooks.alive)
+        storage.fs = _FileSystemHeartbeatingWrites(hooks.heartbeat)
         dcp.save(state_dict, storage_writer=storage, process_group=group)
-        write_rank_checksums(directory, dist.get_rank(), progress=hooks.alive)
+        write_rank_checksums(directory, dist.get_rank(), heartbeat=hooks.heartbeat)
 
     def wait_copied(self) -> None:
         """Nothing: the state was written before :meth:`start` returned."""

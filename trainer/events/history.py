@@ -107,8 +107,8 @@ class RunHistory:
     session_open: bool = False
     """Whether the last ``run_start`` / ``run_end`` is a ``run_start``: a session that never ended."""
     max_step: int | None = None
-    """The highest step of the incarnation that ran last: since the last ``run_start``, or since
-    the last ``restart``'s own incarnation began (its first step, written right before it)."""
+    """The highest step of the attempt that ran last: since the last ``run_start``, or since
+    the last ``restart``'s own attempt began (its first step, written right before it)."""
     last_step: int | None = None
     """The step of the last ``step`` event."""
     fault: FaultFired | NodesPreempted | None = None
@@ -143,7 +143,7 @@ class RunHistory:
             if isinstance(event, Restart):
                 self.restarts += 1
                 self.restarts_in_session += 1
-                self.max_step = self.last_step  # steps before it were the failed incarnation's, counted by this restart
+                self.max_step = self.last_step  # steps before it were the failed attempt's, counted by this restart
             else:
                 self.restarts_in_session, self.session_open, self.max_step = 0, True, None
         elif isinstance(event, RunEnd):
@@ -155,14 +155,14 @@ def read_history(run_dir: Path) -> RunHistory:
     return RunHistory.of(iter_events(run_dir, RunHistory.KINDS))
 
 
-def recovery_layer(history: RunHistory, *, in_process_iteration: int, in_job_restart: int) -> str | None:
-    """Which layer brought this incarnation of the trainer back (None: a fresh or deliberate start).
+def recovery_layer(history: RunHistory, *, in_process_attempt: int, in_job_restart: int) -> str | None:
+    """Which layer brought this attempt of the trainer back (None: a fresh or deliberate start).
 
     A replica restarted by its supervisor (a pod's ``restartPolicy``, the netns harness) runs a
     fresh ft_launcher whose restart count is 0 again: it is recognised by the run it continues,
     whose last session never ended (a ``run_start`` after the last ``run_end``).
     """
-    if in_process_iteration:
+    if in_process_attempt:
         return "in_process"
     if in_job_restart:
         return "in_job"

@@ -258,7 +258,7 @@ FAILURE_CATEGORIES = ("infrastructure", "bug")
 
 @dataclass(frozen=True, kw_only=True)
 class Failure(Event):
-    """An exception that ended this rank's incarnation of the training function, classified
+    """An exception that ended this rank's attempt of the training function, classified
     (``trainer.rank.failures``): ``category`` ``infrastructure`` (``kind`` ``collective``: a
     peer or link lost; ``io``: an OS error known to be transient) or ``bug`` (``kind``
     ``exception``, or ``nonfinite_loss``: the loss turned NaN or Inf). A bug's ``occurrence``

@@ -94,12 +94,14 @@ class CollectiveConnections:
 
 @dataclass(frozen=True, slots=True)
 class Attempt:
-    """Which incarnation of the training function this is, and its hooks into the wrapper."""
+    """Which attempt of the training function this is, and its hooks into the wrapper."""
 
-    in_process_iteration: int = 0
+    in_process_attempt: int = 0
+    """How many in-process restarts came before this attempt in its process (NVRx's ``call_wrapper.iteration``)."""
     in_job_restart: int = field(default_factory=lambda: int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
     atomic: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-    ping: Callable[[], None] = lambda: None
+    heartbeat: Callable[[], None] = lambda: None
+    """Tells the in-process wrapper this rank still makes progress (NVRx's ``call_wrapper.ping``)."""
     store_port: int | None = None
     """Port for this attempt's process-group store (None: use the launcher's environment)."""
     connections: CollectiveConnections = field(default_factory=CollectiveConnections)

@@ -71,7 +71,7 @@ def poison_parameters(module: torch.nn.Module) -> None:
 
 
 def classify(error: BaseException) -> tuple[str, str] | None:
-    """(category, kind) of an exception that ended this rank's incarnation, or None when it is no
+    """(category, kind) of an exception that ended this rank's attempt, or None when it is no
     failure of this rank (NVRx interrupting it for another's fault, an exit, an interrupt).
     """
     if not isinstance(error, Exception) or type(error).__module__.startswith("nvidia_resiliency_ext"):

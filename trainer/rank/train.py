@@ -89,39 +89,39 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
 
 
-PROGRESS_EVERY_S = 1.0
-"""Least seconds between two reports of progress from within a step or a save."""
+HEARTBEAT_EVERY_S = 1.0
+"""Least seconds between two heartbeats from within a step or a save."""
 
 
-def progress_reports(alive: Callable[[], None]) -> Callable[[], None]:
-    """``alive`` (the hang detectors' "this rank makes progress") for calls from within work
-    (each block, each buffer, each write): at most once per :data:`PROGRESS_EVERY_S`, since each
+def throttled_heartbeat(heartbeat: Callable[[], None]) -> Callable[[], None]:
+    """``heartbeat`` (the hang detectors' "this rank makes progress") for calls from within work
+    (each block, each buffer, each write): at most once per :data:`HEARTBEAT_EVERY_S`, since each
     costs a socket round trip, and only from the main thread, since ft_launcher's client sends and
     reads its reply on one socket (autograd's backward runs in a thread of its own on CUDA).
     """
     last = -math.inf
 
-    def report() -> None:
+    def throttled() -> None:
         nonlocal last
-        if threading.current_thread() is threading.main_thread() and time.monotonic() - last >= PROGRESS_EVERY_S:
+        if threading.current_thread() is threading.main_thread() and time.monotonic() - last >= HEARTBEAT_EVERY_S:
             last = time.monotonic()
-            alive()
+            heartbeat()
 
-    return report
+    return throttled
 
 
-def report_progress_within_steps(units: list[torch.nn.Module], report: Callable[[], None]) -> None:
-    """Call ``report`` (from :func:`progress_reports`) from within each step too: as each FSDP
+def heartbeat_within_steps(units: list[torch.nn.Module], heartbeat: Callable[[], None]) -> None:
+    """Call ``heartbeat`` (from :func:`throttled_heartbeat`) from within each step too: as each FSDP
     unit's forward ends and as its gradient arrives in backward. A step slower than the hang timeout (a
     large model on CPU) is then not taken for a hang, while a rank stuck in a collective or
-    anywhere outside the model still is: the reports stop with it.
+    anywhere outside the model still is: the heartbeats stop with it.
     """
 
     def after_forward(unit: torch.nn.Module, args: tuple, output: object) -> None:
-        report()
+        heartbeat()
         first = output[0] if isinstance(output, tuple | list) else output  # (HF layers return tuples in some versions)
         if isinstance(first, torch.Tensor) and first.requires_grad:
-            first.register_hook(lambda grad: report())  # returns None: the gradient is unchanged
+            first.register_hook(lambda grad: heartbeat())  # returns None: the gradient is unchanged
 
     for unit in units:
         unit.register_forward_hook(after_forward)
@@ -291,7 +291,7 @@ def train(
     startup: dict[str, float],
     attempt: Attempt,
 ) -> None:
-    """One incarnation of the training function (``mirror``: rank 0's, if any; ``startup``: when
+    """One attempt of the training function (``mirror``: rank 0's, if any; ``startup``: when
     this process's start-up stages ended, unix times). An error no restart can fix, and a
     suspected bug past its retries (``trainer.rank.failures``), end the job here, before
     in-process restart could retry them; every other failure is recorded and restarted.
@@ -360,7 +360,7 @@ def _train(
     launched = marks.pop("launcher_started")  # what a start's timeline (run_start's phases) counts from
     if (
         attempt.store_port is not None
-    ):  # the wrapper's monitor process, store and barrier: every rank is in this iteration
+    ):  # the wrapper's monitor process, store and barrier: every rank is in this attempt
         marks["wrapper_ready"] = time.time()
     rt = detect_runtime()
     marks["runtime"] = (
@@ -385,7 +385,7 @@ def _train(
     events = EventLog(run_dir, rt.rank)
     history = read_history(run_dir) if rt.rank == 0 else RunHistory()
     layer = recovery_layer(
-        history, in_process_iteration=attempt.in_process_iteration, in_job_restart=attempt.in_job_restart
+        history, in_process_attempt=attempt.in_process_attempt, in_job_restart=attempt.in_job_restart
     )
 
     monitor = RankMonitor()
@@ -430,12 +430,12 @@ def _train(
     )
     marks["model_built"] = time.time()
 
-    def alive() -> None:
+    def heartbeat() -> None:  # to both hang detectors: ft_launcher's rank monitor, the in-process wrapper
         monitor.heartbeat()
-        attempt.ping()
+        attempt.heartbeat()
 
-    alive_within_work = progress_reports(alive)
-    report_progress_within_steps(spec.fsdp_units(), alive_within_work)
+    heartbeat_within_work = throttled_heartbeat(heartbeat)
+    heartbeat_within_steps(spec.fsdp_units(), heartbeat_within_work)
 
     checkpointer = Checkpointer(
         run_dir,
@@ -446,7 +446,7 @@ def _train(
         every=cfg.ckpt_every,
         keep_last=cfg.keep_last,
         fingerprint=cfg.trajectory_hash(),
-        heartbeat=alive_within_work,
+        heartbeat=heartbeat_within_work,
         hang_timeout=cfg.hang_timeout,
         on_published=mirror.submit if mirror else None,
         on_phase=faults.maybe_fire,
@@ -469,8 +469,8 @@ def _train(
     last = cfg.stop_at_step or cfg.steps
     tokens_per_step = cfg.batch_size * seq_len * cfg.grad_accum_steps * rt.world_size
     progress = ProgressLines(cfg.log_every, last, history.restarts_in_session)
-    # A fault anywhere below ends this incarnation; what it was saving is never published (the
-    # writer abandons it when the next incarnation's group arrives) and that one resumes from the
+    # A fault anywhere below ends this attempt; what it was saving is never published (the
+    # writer abandons it when the next attempt's group arrives) and that one resumes from the
     # newest complete state (:func:`resume`).
     step, stop = start, False
     for step in range(start + 1, last + 1):
@@ -481,7 +481,7 @@ def _train(
             state, lr_at(cfg, step), cfg.grad_clip, rt.device, accum=cfg.grad_accum_steps, stop=preemption.requested
         )
         step_time = time.perf_counter() - t0
-        alive()
+        heartbeat()
         check_loss(step, loss)  # a NaN or Inf loss is a bug: this step is neither logged nor saved
         if rt.rank == 0:
             done = events.emit(Step(step=step, loss=loss, step_time_s=step_time, tokens=tokens_per_step))

@@ -31,8 +31,8 @@ from trainer.rank.config import TRAJECTORY_FIELDS
 from trainer.results.tracking import DEFAULT_EXPERIMENT, checkpoint_table, logged_runs
 
 RECOVERY_LAYERS = ("in_process", "in_job", "node")
-"""The layer that recovered a fault: a ``restart`` event's own layer, except that an in-job
-restart after a node fault (``fault`` with a ``node``) is counted as ``node``."""
+"""The kinds of recovery the comparison counts (:func:`recovery_kind`): a ``restart`` event's own
+layer, except that an in-job restart after a node fault (``fault`` with a ``node``) is counted as ``node``."""
 TIME_CATEGORIES = ("useful steps", "recovering", "checkpoint stall", "lost work", "other")
 """Where a run's wall time went (see :func:`time_breakdown`), in plotting order."""
 
@@ -192,7 +192,7 @@ def comparison_table(runs: list[RunRecord]) -> pd.DataFrame:
     rows = []
     for r in runs:
         s = r.summary
-        node = sum(recovery_layer(restart, fault) == "node" for restart, fault in restarts_with_faults(r.events))
+        node = sum(recovery_kind(restart, fault) == "node" for restart, fault in restarts_with_faults(r.events))
         values = [
             r.experiment,
             r.params.get("ckpt_mode"),
@@ -328,8 +328,12 @@ def time_breakdown(runs: list[RunRecord]) -> pd.DataFrame:
 # --------------------------------------------------------------------------- recoveries, timelines, checkpoints
 
 
-def recovery_layer(restart: Restart, fault: FaultFired | None) -> str:
-    """The layer that recovered a fault (see ``RECOVERY_LAYERS``)."""
+def recovery_kind(restart: Restart, fault: FaultFired | None) -> str:
+    """How the comparison counts a recovery (one of ``RECOVERY_LAYERS``): ``node`` after a node fault
+    (``fault`` with a ``node``: the in-job restart that followed replaced it), otherwise the layer
+    the ``restart`` event names (unlike ``trainer.events.recovery_layer``, which tells an
+    attempt which layer brought it back).
+    """
     return "node" if fault is not None and fault.node is not None else restart.layer
 
 
@@ -341,7 +345,7 @@ def recoveries(runs: list[RunRecord]) -> pd.DataFrame:
     rows = [
         {
             "run": r.label,
-            "layer": recovery_layer(restart, fault),
+            "layer": recovery_kind(restart, fault),
             "fault": f"{fault.kind}@{fault.step}" if fault else None,
             "recovery_s": restart.recovery_s,
             "lost_steps": restart.lost_steps,
@@ -400,7 +404,7 @@ def timeline(run: RunRecord) -> Timeline:
         {
             "t_fault": e.time - t0 - e.recovery_s,
             "t": e.time - t0,
-            "layer": recovery_layer(e, fault),
+            "layer": recovery_kind(e, fault),
             "resumed_from_step": e.resumed_from_step,
             "recovery_s": e.recovery_s,
         }

@@ -294,15 +294,15 @@ def _drain(q: object) -> None:
             q.get_nowait()
 
 
-def _shared_buffers_like(tree: object, alive: Callable[[], None]) -> object:
+def _shared_buffers_like(tree: object, heartbeat: Callable[[], None]) -> object:
     """Shared-memory buffers shaped like the state ``tree`` (as ``_create_cpu_state_dict`` makes
-    them), one tensor at a time with ``alive`` after each: a large state's pages take seconds to
+    them), one tensor at a time with ``heartbeat`` after each: a large state's pages take seconds to
     make (1-2 s for the base model's on 2 CPUs), which must not pass for a hang.
     """
     if isinstance(tree, dict):
-        return {key: _shared_buffers_like(value, alive) for key, value in tree.items()}
+        return {key: _shared_buffers_like(value, heartbeat) for key, value in tree.items()}
     if isinstance(tree, list | tuple):
-        return type(tree)(_shared_buffers_like(value, alive) for value in tree)
+        return type(tree)(_shared_buffers_like(value, heartbeat) for value in tree)
     buffer = _create_cpu_state_dict({"": tree}, share_memory=True)[""]
     local = buffer.to_local() if isinstance(buffer, DTensor) else buffer
     if isinstance(local, torch.Tensor) and not local.is_shared():
@@ -310,7 +310,7 @@ def _shared_buffers_like(tree: object, alive: Callable[[], None]) -> object:
         # move it into shared memory then, while the copy beside the next step may be writing it:
         # a write in between was lost, and the checkpoint kept a step count of 0.
         local.share_memory_()
-    alive()
+    heartbeat()
     return buffer
 
 
@@ -324,15 +324,15 @@ class _StartedWrite:
 
 
 @dataclass(slots=True)
-class _Incarnation:
-    """The writer's state for one incarnation of the training function (one checkpoint group)."""
+class _AttemptState:
+    """The writer's state for one attempt of the training function (one checkpoint group)."""
 
     group: dist.ProcessGroup
     staging: dict | None = None
     started: _StartedWrite | None = None
     # DCP's save plan (and rank 0's metadata) of the last save: reused while the state's structure
     # is unchanged, which skips the planning collective. Every rank decides reuse from its own
-    # plan, so the cache must start empty on every rank at once: a new incarnation, a new cache.
+    # plan, so the cache must start empty on every rank at once: a new attempt, a new cache.
     plans: CheckpointMetadataCache = field(default_factory=CheckpointMetadataCache)
     copy: _BackgroundCopy | None = None
     """The last save's copy into the staging buffers, until the training loop has waited for it."""
@@ -348,7 +348,7 @@ class AsyncCheckpointWriter:
     cleanup running, and the training thread never reads an interprocess queue: the worker reports
     completion in a shared-memory counter and each write's outcome in a file next to the shard.
     Handing a request to the worker is the one atomic section. A new checkpoint group means a new
-    incarnation: what the last one started is abandoned (never finalized, so never published) and
+    attempt: what the last one started is abandoned (never finalized, so never published) and
     its staging buffers dropped. An abandoned write runs to its end in the background; the next
     save starts only once every rank's worker is idle (:meth:`poll`).
 
@@ -368,13 +368,13 @@ class AsyncCheckpointWriter:
         self._copied = torch.zeros(2, dtype=torch.int64).share_memory_()  # last copy to staging that ended well, badly
         self._copies = 0  # copies to staging started
         self._caller: PersistentAsyncCaller | None = None
-        self._current: _Incarnation | None = None
+        self._current: _AttemptState | None = None
         if filesystem_async._results_queue is None:
             filesystem_async._results_queue = _NEVER_READ_RESULTS_QUEUE
         # CPU: the worker is forked now, before the training state exists: milliseconds, with
         # nothing to import and no page of the state to copy on write. CUDA cannot be forked:
         # there it is a spawned interpreter, seconds of CPU, started by :meth:`prepare` (after
-        # the incarnation's first step, so that start-up and a recovery run without it) or by the
+        # the attempt's first step, so that start-up and a recovery run without it) or by the
         # first write. The training loop never waits for a worker to start: a write queues behind it.
         if not cuda:
             self._ensure_worker()
@@ -384,12 +384,12 @@ class AsyncCheckpointWriter:
         background worker, which waits for the copy. Call it only after :meth:`poll` returned
         True, and :meth:`wait_copied` before the state changes.
         """
-        current = self._incarnation(group)
+        current = self._attempt_state(group)
         self._ensure_worker()  # a worker forked later would fork the copy's thread mid-copy
         copy = None
         if not self.cuda:
             pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-            state_dict = _staged_view(state_dict, self._staging(current, state_dict, hooks.alive), pairs)
+            state_dict = _staged_view(state_dict, self._staging(current, state_dict, hooks.heartbeat), pairs)
             self._copies += 1
             copy = current.copy = _BackgroundCopy(pairs, self._copied, self._copies)
         self._meet_once(current, hooks)
@@ -410,16 +410,16 @@ class AsyncCheckpointWriter:
         hooks.on_phase("write")
 
     def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:
-        """Start the worker unless it runs; allocate this incarnation's staging buffers and plan
+        """Start the worker unless it runs; allocate this attempt's staging buffers and plan
         twice, writing nothing: NVRx's plan cache is used from the second equal plan on, so the
         first save then skips the planning collective like every later one (without this, the
         first two saves pay it).
         """
         self._ensure_worker()
-        current = self._incarnation(group)
+        current = self._attempt_state(group)
         if not self.cuda:
             state_dict = self._staging(
-                current, state_dict, hooks.alive
+                current, state_dict, hooks.heartbeat
             )  # what start() plans: the same structure, never the live tensors
         self._meet_once(current, hooks)
         for _ in range(2):  # plans name files relative to the directory: the same for every save
@@ -429,10 +429,10 @@ class AsyncCheckpointWriter:
             )
 
     def poll(self, group: dist.ProcessGroup) -> bool:
-        """Collective: True once no rank's worker is busy; the write this incarnation started (if
+        """Collective: True once no rank's worker is busy; the write this attempt started (if
         any) is then finalized. Raises CheckpointWriteError on every rank alike if it failed.
         """
-        current = self._incarnation(group)
+        current = self._attempt_state(group)
         busy = torch.tensor([int(self._busy())], dtype=torch.int32)
         dist.all_reduce(busy, group=group)
         if busy.item():
@@ -479,11 +479,11 @@ class AsyncCheckpointWriter:
         caller.process = None  # so NVRx's own close() (from __del__) has nothing left to join
 
     @staticmethod
-    def _staging(current: _Incarnation, state_dict: dict, alive: Callable[[], None]) -> dict:
-        """The incarnation's shared-memory buffers shaped like ``state_dict``, made on first use."""
+    def _staging(current: _AttemptState, state_dict: dict, heartbeat: Callable[[], None]) -> dict:
+        """The attempt's shared-memory buffers shaped like ``state_dict``, made on first use."""
         if current.staging is None:
             try:
-                current.staging = _shared_buffers_like(state_dict, alive)
+                current.staging = _shared_buffers_like(state_dict, heartbeat)
             except RuntimeError as e:  # torch says so in words only: no room in /dev/shm is no transient fault
                 if "No space left on device" not in str(e):
                     raise
@@ -493,8 +493,8 @@ class AsyncCheckpointWriter:
         return current.staging
 
     @staticmethod
-    def _meet_once(current: _Incarnation, hooks: SaveHooks) -> None:
-        """Before an incarnation's first (uncached) plan: the buffers made just before take seconds
+    def _meet_once(current: _AttemptState, hooks: SaveHooks) -> None:
+        """Before an attempt's first (uncached) plan: the buffers made just before take seconds
         for a large state, longer on one rank than another, and the planning collective would time
         out on the rank that waits (it has a training collective's timeout).
         """
@@ -502,11 +502,11 @@ class AsyncCheckpointWriter:
             hooks.meet()
             current.met = True
 
-    def _incarnation(self, group: dist.ProcessGroup) -> _Incarnation:
+    def _attempt_state(self, group: dist.ProcessGroup) -> _AttemptState:
         if self._current is None or self._current.group is not group:
             if self._current is not None and self._current.copy is not None:
-                self._current.copy.wait()  # milliseconds; then no copy of an earlier incarnation ends after a new one
-            self._current = _Incarnation(group)
+                self._current.copy.wait()  # milliseconds; then no copy of an earlier attempt ends after a new one
+            self._current = _AttemptState(group)
         return self._current
 
     def _busy(self) -> bool:

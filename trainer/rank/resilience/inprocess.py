@@ -94,9 +94,9 @@ def run_restartable(train_fn: Callable[[Attempt], None], timeouts: Timeouts, *, 
     )
 
     def wrapped(call_wrapper: inprocess.CallWrapper | None = None) -> None:
-        iteration = call_wrapper.iteration
-        hooks = {"atomic": call_wrapper.atomic, "ping": call_wrapper.ping, "connections": connections}
+        n = call_wrapper.iteration  # NVRx's count of calls: this attempt's, from 0
+        hooks = {"atomic": call_wrapper.atomic, "heartbeat": call_wrapper.ping, "connections": connections}
         connections.aborted = False  # a new attempt: the last one's abort is over
-        train_fn(Attempt(iteration, store_port=base + 1 + iteration, **hooks))
+        train_fn(Attempt(in_process_attempt=n, store_port=base + 1 + n, **hooks))
 
     wrapper(wrapped)()

@@ -295,7 +295,7 @@ class LocalTier:
     in the training thread, so never beside training's own): only then does it count (its
     ``checkpoint`` event, the pruning that keeps it) and the buffers are reused. At resume a
     snapshot counts only if every rank verifies it, whoever wrote it. A write runs on when the
-    training thread is interrupted (in-process restart): the next incarnation waits for it before
+    training thread is interrupted (in-process restart): the next attempt waits for it before
     it looks at the snapshots, as the async writer's next save waits for an abandoned write. Every
     collective is on checkpoint groups, never on the default group.
 
@@ -345,7 +345,7 @@ class LocalTier:
         """Per rank, the snapshots (ids) it holds and verified, as :meth:`find_latest` found them."""
         self._buffers: dict = {}
         self._pending: _LocalWrite | None = None
-        """The write this incarnation handed over and has not agreed on yet."""
+        """The write this attempt handed over and has not agreed on yet."""
         if (
             (abandoned := LocalTier._in_flight) is not None
             and abandoned.thread is not None
@@ -354,10 +354,10 @@ class LocalTier:
             abandoned.thread.join()  # a memory copy: short. What it wrote counts if every rank verifies it.
         LocalTier._in_flight = None
         self.off: str | None = None
-        """Why the tier stepped aside for the rest of this incarnation (None: it is on)."""
+        """Why the tier stepped aside for the rest of this attempt (None: it is on)."""
 
     _in_flight: _LocalWrite | None = None
-    """The write last handed over in this process, whichever incarnation did (one thread at a time)."""
+    """The write last handed over in this process, whichever attempt did (one thread at a time)."""
 
     @property
     def directory(self) -> Path:
@@ -418,7 +418,7 @@ class LocalTier:
         once training is done too, before the snapshots are kept or removed.
 
         When some rank's write found no room, the tier steps aside on every rank for the rest of
-        this incarnation (:attr:`off`): each rank removes its snapshots, so that the node's memory
+        this attempt (:attr:`off`): each rank removes its snapshots, so that the node's memory
         is left to training and to the durable tier's staging, and the rank that found no room
         says so (a ``warning`` ``local_tier_off`` naming the path). Training goes on with the
         durable tier.

@@ -28,7 +28,7 @@ class RankMonitor:
             RankMonitor._client = None
 
     def heartbeat(self) -> None:
-        """Tell the monitor this rank is alive."""
+        """Send the monitor a heartbeat: this rank still makes progress."""
         if self._client is not None:
             self._client.send_heartbeat()
 
