@@ -1,7 +1,7 @@
 """Sharded DCP checkpoints: how they are written, published, trusted, read and kept.
 
-- ``checkpointer``: the :class:`Checkpointer` the training loop calls every step (layout, atomic
-  publication, retention, resume) and the local tier's folders.
+- ``checkpointer``: the :class:`Checkpointer` the training loop calls every step (atomic
+  publication, retention, resume); ``layout``: where checkpoints lie (names, ``latest``).
 - ``writers``: how a rank's shards are written (:class:`CheckpointWriter`; the synchronous DCP
   writer here, NVRx's background writer in ``trainer.rank.resilience``).
 - ``trust``: what a checkpoint is trusted for, and :func:`open_checkpoint`, the one way its bytes
@@ -11,10 +11,10 @@
   through ``trust``.
 """
 
-from trainer.checkpoint.checkpointer import (
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.layout import (
     CHECKPOINTS,
     LATEST,
-    Checkpointer,
     latest_checkpoint,
     latest_is_corrupt,
     published_checkpoints,

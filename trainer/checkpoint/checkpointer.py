@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable
@@ -26,6 +25,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from trainer.checkpoint.layout import (
+    CHECKPOINTS,
+    LATEST,
+    checkpoint_bytes,
+    is_signed,
+    latest_checkpoint,
+    latest_text,
+    published_checkpoints,
+    step_dir_name,
+)
 from trainer.checkpoint.trust import (
     MANIFEST,
     SIGNING_KEY_ENV,
@@ -46,9 +55,6 @@ from trainer.errors import NonTransientError, non_transient_cause
 from trainer.events import Checkpoint, CheckpointFailed, EventLog, RunWarning
 from trainer.fsutil import atomic_write_text, file_sha256, fsync_dir
 
-CHECKPOINTS = "checkpoints"
-LATEST = "latest"
-_PUBLISHED = re.compile(r"^step_(\d{6})$")
 PREPARE_DIR = "prepare.tmp"
 """Scratch directory (+ the attempt tag) of a writer's :meth:`Checkpointer.prepare`."""
 WRITE_FLOOR_BYTES_PER_S = 20e6
@@ -70,11 +76,6 @@ class UnsignedResumeError(CheckpointError, NonTransientError):
 def _read_error(error: CheckpointError) -> bool:
     """True when ``error`` came from reading a checkpoint (it may pass), not from its content."""
     return isinstance(error.__cause__, OSError) and not isinstance(error.__cause__, FileNotFoundError)
-
-
-def step_dir_name(step: int) -> str:
-    """``step_000120`` for step 120."""
-    return f"step_{step:06d}"
 
 
 # The writer's phase hooks, as the timed phases that end there ("write": the hand-off returns).
@@ -211,7 +212,7 @@ class Checkpointer:
     def _newest_verified(self) -> int | str | None:
         # Rank 0: the step to resume from, or why the run must not resume.
         published = published_checkpoints(self.root)
-        if signing_key() is None and (signed := [s for s, p in published if _is_signed(p)]):
+        if signing_key() is None and (signed := [s for s, p in published if is_signed(p)]):
             return (
                 f"{step_dir_name(signed[-1])} and {len(signed) - 1} more checkpoint(s) of this run are signed, but "
                 f"${SIGNING_KEY_ENV} is not set: the run does not resume without its key (give it the secret)"
@@ -245,7 +246,7 @@ class Checkpointer:
             )
         latest = latest_checkpoint(self.root.parent)
         if chosen is not None and (latest is None or latest.name != step_dir_name(chosen)):
-            was = latest.name if latest else _latest_text(self.root)
+            was = latest.name if latest else latest_text(self.root)
             atomic_write_text(self.root / LATEST, step_dir_name(chosen) + "\n")
             self.events.emit(RunWarning(kind="latest_repaired", step=chosen, was=was))
         return chosen
@@ -540,49 +541,3 @@ def _save_durably(obj: object, path: Path) -> None:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
-
-
-def published_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """Published checkpoint directories as ``(step, path)``, oldest first."""
-    if not Path(root).is_dir():
-        return []
-    found = [(int(m[1]), p) for p in Path(root).iterdir() if (m := _PUBLISHED.match(p.name)) and p.is_dir()]
-    return sorted(found)
-
-
-def checkpoint_bytes(path: Path) -> int:
-    """Total size of a published checkpoint's files, from its manifest."""
-    manifest = json.loads((Path(path) / MANIFEST).read_text())
-    return sum(f["size"] for f in manifest["files"].values())
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The directory ``checkpoints/latest`` points at (None when there is none, or when it holds
-    anything but a checkpoint's name: any bytes, never a path elsewhere; resume repairs it).
-    """
-    name = _latest_text(Path(run_dir) / CHECKPOINTS)
-    if name is None or not _PUBLISHED.match(name):
-        return None
-    return Path(run_dir) / CHECKPOINTS / name
-
-
-def _latest_text(root: Path) -> str | None:
-    # What ``latest`` holds, any bytes made printable (None: no such file or unreadable).
-    try:
-        return (Path(root) / LATEST).read_bytes().decode("utf-8", errors="backslashreplace").strip()
-    except OSError:
-        return None
-
-
-def latest_is_corrupt(run_dir: Path) -> bool:
-    """``checkpoints/latest`` exists but names no checkpoint (garbage, not UTF-8, a path)."""
-    text = _latest_text(Path(run_dir) / CHECKPOINTS)
-    return text is not None and not _PUBLISHED.match(text)
-
-
-def _is_signed(path: Path) -> bool:
-    try:
-        manifest = json.loads((Path(path) / MANIFEST).read_bytes())
-    except (OSError, ValueError):
-        return False
-    return isinstance(manifest, dict) and "signature" in manifest
