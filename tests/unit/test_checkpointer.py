@@ -227,7 +227,7 @@ def test_a_sync_save_heartbeats_as_it_writes_and_hashes(one_rank: None, tmp_path
         tensors, tmp_path, new_group(), SaveHooks(heartbeat=lambda: made.append((tmp_path / ".metadata").exists()))
     )
     assert len(made) >= len(tensors["model"]) + 2  # a write per tensor, a chunk per file hashed
-    assert made.count(True) == 2  # the shard and the rank state: one chunk each
+    assert made.count(True) == 3  # the shard, the rank state and the digest record: one chunk each
     loaded = {"model": {name: torch.zeros(1024) for name in tensors["model"]}}
     dcp.load(loaded, checkpoint_id=tmp_path)
     assert all(torch.equal(loaded["model"][n], t) for n, t in tensors["model"].items())

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from trainer.checkpoint.digests import slowest_digest_s
 from trainer.checkpoint.layout import (
     CHECKPOINTS,
     LATEST,
@@ -95,18 +96,23 @@ class _Pending:
     copied: dict[str, float] = field(default_factory=dict)
     """``copy`` (the background copy into staging buffers) and ``copy_wait`` (the training
     loop's wait for it before the next update: stall), once waited for."""
+    digest_s: float | None = None
+    """The slowest rank's seconds digesting its shards (after the copy, beside the step; a sync
+    save's inside ``write``); None: not recorded."""
 
     def mark(self, phase: str) -> None:
         self.marks.append((phase, time.perf_counter()))
 
     def phases(self) -> dict[str, float]:
-        """Seconds each phase took, in order (the copy's, which overlaps the next step, after ``handoff``)."""
+        """Seconds each phase took, in order (the copy's and the digest's, which overlap the next
+        step, after ``handoff``; a sync save's digest after ``write``).
+        """
         timeline = {name: t - before for (_, before), (name, t) in zip(self.marks, self.marks[1:], strict=False)}
-        if not self.copied:
-            return timeline
+        beside = self.copied | ({"digest": self.digest_s} if self.digest_s is not None else {})
         names = list(timeline)
-        cut = names.index("handoff") + 1 if "handoff" in names else len(names)
-        return {n: timeline[n] for n in names[:cut]} | self.copied | {n: timeline[n] for n in names[cut:]}
+        end = next((n for n in ("handoff", "write") if n in names), None)
+        cut = names.index(end) + 1 if end is not None else len(names)
+        return {n: timeline[n] for n in names[:cut]} | beside | {n: timeline[n] for n in names[cut:]}
 
 
 class Checkpointer:
@@ -445,6 +451,7 @@ class Checkpointer:
             self._fail(pending, e)
             return
         pending.mark("publish")
+        pending.digest_s = slowest_digest_s(final, self.world_size)
         self.saved_step = pending.step
         self.events.emit(
             Checkpoint(

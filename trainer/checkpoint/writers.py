@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from trainer.checkpoint.digests import digests_file, write_digests
 from trainer.checkpoint.trust import rank_state_file, sign_rank_checksums
 from trainer.fsutil import atomic_write_text, file_sha256
 
@@ -31,10 +32,13 @@ def write_rank_checksums(directory: Path, rank: int, *, heartbeat: Callable[[], 
     """Hash this rank's files of a checkpoint and record them durably (``checksums_rank<R>.json``).
 
     Runs right after the rank's shard is written: in the background worker for async saves, in
-    the loop (``heartbeat`` called as it reads) for sync ones.
+    the loop (``heartbeat`` called as it reads) for sync ones. The rank's digest record, when it
+    has one (:mod:`trainer.checkpoint.digests`), is among them.
     """
     directory = Path(directory)
     names = [p.name for p in directory.glob(f"__{rank}_*.distcp")] + [rank_state_file(rank)]
+    if (directory / digests_file(rank)).is_file():
+        names.append(digests_file(rank))
     record = {
         name: {"size": (directory / name).stat().st_size, "sha256": file_sha256(directory / name, progress=heartbeat)}
         for name in names
@@ -139,9 +143,12 @@ class SyncDcpWriter:
     mode = "sync"
 
     def start(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:
-        """Write, fsync and checksum the shard before returning, calling ``hooks.heartbeat`` as it
-        writes and reads: a large state's save takes seconds in the loop, not a hang.
+        """Digest the state, then write, fsync and checksum the shard before returning, calling
+        ``hooks.heartbeat`` as it writes and reads: a large state's save takes seconds in the loop,
+        not a hang.
         """
+        write_digests(state_dict, directory, dist.get_rank())
+        hooks.heartbeat()
         storage = dcp.FileSystemWriter(directory, sync_files=True)
         storage.fs = _FileSystemHeartbeatingWrites(hooks.heartbeat)
         dcp.save(state_dict, storage_writer=storage, process_group=group)

@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint import CheckpointWriteError, SaveHooks, write_rank_checksums
+from trainer.checkpoint.digests import write_digests
 from trainer.errors import NonTransientError, non_transient_cause
 from trainer.process import die_with_parent, lower_priority
 
@@ -144,44 +145,60 @@ def _wait_for_copy(copied: torch.Tensor, number: int) -> None:
     while max(int(copied[0]), int(copied[1])) < number:
         time.sleep(0.001)
     if int(copied[1]) == number:
-        raise RuntimeError("copying the state into the staging buffers failed (the rank's log has the error)")
+        raise RuntimeError("copying (or digesting) the state into the staging buffers failed (see the rank's log)")
+
+
+_Pairs = list[tuple[torch.Tensor, torch.Tensor]]
+"""(staging buffer, live tensor) pairs of a save's copy."""
 
 
 class _BackgroundCopy:
     """Copies the live tensors of a save into the staging buffers on a thread of its own, so the
     copy overlaps the next step's forward and backward, which only read them; the optimizer's
-    step, which changes them, waits for it first (:meth:`wait`). It always ends by recording its
-    number in ``copied`` (slot 0 if it succeeded, 1 if not), which the worker waits on.
+    step, which changes them, waits for it first (:meth:`wait`). Then ``digest`` (the rank's shard
+    digests of the staged state) runs on the same thread, which nothing in the loop waits for. It
+    always ends by recording its number in ``copied`` (slot 0 if copy and digest succeeded, 1 if
+    not), which the worker waits on before it writes.
     """
 
-    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], copied: torch.Tensor, number: int) -> None:
+    def __init__(self, pairs: _Pairs, copied: torch.Tensor, number: int, digest: Callable = lambda: None) -> None:
         self.seconds: float | None = None
         """How long the copy took (set when it ends)."""
+        self._copied = threading.Event()
         self._thread = threading.Thread(
-            target=self._run, args=(pairs, copied, number), name="checkpoint-copy", daemon=True
+            target=self._run, args=(pairs, copied, number, digest), name="checkpoint-copy", daemon=True
         )
         self._thread.start()
 
-    def _run(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], copied: torch.Tensor, number: int) -> None:
+    def _run(self, pairs: _Pairs, copied: torch.Tensor, number: int, digest: Callable) -> None:
         started, ok = time.perf_counter(), False
         try:
             with torch.no_grad():  # grad mode is per thread: a copy from a parameter would be recorded
                 for buffer, live in pairs:
                     buffer.copy_(live)
+            self.seconds = time.perf_counter() - started
+            self._copied.set()
+            digest()
             ok = True
         finally:
-            self.seconds = time.perf_counter() - started
+            self.seconds = time.perf_counter() - started if self.seconds is None else self.seconds
+            self._copied.set()
             copied[0 if ok else 1] = number
 
     def wait(self) -> float:
-        """Return once the copy has ended; returns the seconds waited."""
+        """Return once the copy has ended (its digest may go on); returns the seconds waited."""
         started = time.perf_counter()
-        while self._thread.is_alive():
-            self._thread.join(0.005)  # short joins: in-process restart's exception reaches this thread between them
+        while not self._copied.wait(0.005):  # short waits: in-process restart's exception reaches it between them
+            pass
         return time.perf_counter() - started
 
+    def join(self) -> None:
+        """Return once the thread has ended, digest included."""
+        while self._thread.is_alive():
+            self._thread.join(0.005)
 
-def _staged_view(live: object, staging: object, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> object:
+
+def _staged_view(live: object, staging: object, pairs: _Pairs) -> object:
     """``live``'s structure with each tensor replaced by its staging buffer, and each other value
     (a learning rate, a step count) as it is now; each (buffer, live tensor) pair to copy is
     appended to ``pairs`` (DTensors as their local shards).
@@ -367,6 +384,7 @@ class AsyncCheckpointWriter:
         self._sent = 0  # last request handed to the worker
         self._copied = torch.zeros(2, dtype=torch.int64).share_memory_()  # last copy to staging that ended well, badly
         self._copies = 0  # copies to staging started
+        self._last_copy: _BackgroundCopy | None = None  # the copy (and digest) started last, of any attempt
         self._caller: PersistentAsyncCaller | None = None
         self._current: _AttemptState | None = None
         if filesystem_async._results_queue is None:
@@ -387,11 +405,14 @@ class AsyncCheckpointWriter:
         current = self._attempt_state(group)
         self._ensure_worker()  # a worker forked later would fork the copy's thread mid-copy
         copy = None
-        if not self.cuda:
-            pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if not self.cuda:  # (CUDA: NVRx's preload copies in the worker; no digests, the checkpoint is not audited)
+            pairs: _Pairs = []
             state_dict = _staged_view(state_dict, self._staging(current, state_dict, hooks.heartbeat), pairs)
+            if self._last_copy is not None:  # (an earlier attempt's too): no two copies end out of order
+                self._last_copy.join()  # its digest ended before its write did: no wait in practice
+            digest = partial(write_digests, state_dict, Path(directory), dist.get_rank())
             self._copies += 1
-            copy = current.copy = _BackgroundCopy(pairs, self._copied, self._copies)
+            copy = current.copy = self._last_copy = _BackgroundCopy(pairs, self._copied, self._copies, digest)
         self._meet_once(current, hooks)
         hooks.on_phase("stage")
         fs_writer = FileSystemWriterAsync(directory, thread_count=1)
@@ -503,9 +524,7 @@ class AsyncCheckpointWriter:
             current.met = True
 
     def _attempt_state(self, group: dist.ProcessGroup) -> _AttemptState:
-        if self._current is None or self._current.group is not group:
-            if self._current is not None and self._current.copy is not None:
-                self._current.copy.wait()  # milliseconds; then no copy of an earlier attempt ends after a new one
+        if self._current is None or self._current.group is not group:  # (a copy still running: start() joins it)
             self._current = _AttemptState(group)
         return self._current
 
