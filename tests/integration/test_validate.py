@@ -12,6 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.conftest import rfsdp, train
+from tests.unit.test_checkpoint_digests import redigest
 from trainer import cli
 from trainer.checkpoint import CHECKPOINTS, MANIFEST, read_full_state
 from trainer.fsutil import file_sha256
@@ -122,6 +123,8 @@ def test_nan_in_optimizer_state_fails_finite_only(baseline_60: Path, tmp_path: P
     for old in [*path.glob("__*_0.distcp"), path / ".metadata"]:
         old.unlink()
     dcp.save(state, checkpoint_id=path)  # a valid DCP checkpoint again (one shard), so only the NaN is wrong
+    reseal(path)
+    redigest(path)  # the ranks' digests of what they saved, made to say they saved the NaN
     reseal(path)
     report = validate_run(run)
     checks = by_name(report)

@@ -8,10 +8,12 @@
   are read.
 - ``local_tier``: the local tier's folders in node memory (each user's own root).
 - ``load``: the readers (model and optimizer tensors, a rank's state, the whole state), all
-  through ``trust``.
+  through ``trust``, and the audit of a whole checkpoint against its shard digests.
+- ``digests``: each rank's digests of what it was asked to save, recorded beside its shards.
 """
 
 from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.digests import StaleShardError
 from trainer.checkpoint.layout import (
     CHECKPOINTS,
     LATEST,
@@ -20,7 +22,7 @@ from trainer.checkpoint.layout import (
     published_checkpoints,
     step_dir_name,
 )
-from trainer.checkpoint.load import load_tensors, read_full_state, read_rank_state
+from trainer.checkpoint.load import Audit, audit_checkpoint, load_tensors, read_full_state, read_rank_state
 from trainer.checkpoint.local_tier import (
     LOCAL_TIER_ROOT,
     LOCAL_TIER_ROOT_ENV,
@@ -46,6 +48,7 @@ from trainer.checkpoint.writers import (
 )
 
 __all__ = [
+    "Audit",
     "CHECKPOINTS",
     "LATEST",
     "LOCAL_TIER_ROOT",
@@ -56,7 +59,9 @@ __all__ = [
     "CheckpointWriteError",
     "CheckpointWriter",
     "Checkpointer",
+    "audit_checkpoint",
     "SaveHooks",
+    "StaleShardError",
     "SyncDcpWriter",
     "latest_checkpoint",
     "latest_is_corrupt",

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint.digests import slowest_digest_s
+from trainer.checkpoint.digests import StaleShardError, slowest_digest_s
 from trainer.checkpoint.layout import (
     CHECKPOINTS,
     LATEST,
@@ -36,6 +36,7 @@ from trainer.checkpoint.layout import (
     published_checkpoints,
     step_dir_name,
 )
+from trainer.checkpoint.load import read_digests
 from trainer.checkpoint.trust import (
     MANIFEST,
     SIGNING_KEY_ENV,
@@ -192,9 +193,7 @@ class Checkpointer:
         (:meth:`find_latest`, then :meth:`load`).
         """
         step = self.find_latest()
-        if step:
-            self.load(step, load)
-        return step
+        return self.load(step, load) if step else 0
 
     def find_latest(self) -> int:
         """The step of the newest published checkpoint that verifies, on every rank (0: none).
@@ -226,9 +225,11 @@ class Checkpointer:
         chosen, refused = None, []
         for step, path in reversed(published):
             try:
-                open_checkpoint(
+                checkpoint = open_checkpoint(
                     path, fingerprint=self.fingerprint, world_size=self.world_size, checksums=True
-                ).metadata()
+                )
+                checkpoint.metadata()
+                read_digests(checkpoint)  # well-formed (each rank checks its shards against them as it loads)
             except CheckpointError as e:
                 refused.append((step, path, e))
                 continue
@@ -257,17 +258,36 @@ class Checkpointer:
             self.events.emit(RunWarning(kind="latest_repaired", step=chosen, was=was))
         return chosen
 
-    def load(self, step: int, load: Callable[[Path], None]) -> None:
+    def load(self, step: int, load: Callable[[Path], None]) -> int:
         """Restore the published checkpoint of ``step`` (one :meth:`find_latest` chose) with
         ``load``; it is handed to ``on_published`` again (rank 0 may have died before its upload).
+        Returns the step restored: an older one when the ranks found a shard of ``step`` that is
+        not what its rank saved (:class:`StaleShardError`, raised by ``load`` on every rank alike):
+        that checkpoint is skipped and set aside as a corrupt one is.
+
+        Raises:
+            StaleShardError: no older checkpoint verifies; the state holds the stale one's values,
+                so the attempt fails and its restart starts afresh.
         """
         path = self.root / step_dir_name(step)
-        load(path)
+        try:
+            load(path)
+        except StaleShardError as e:
+            if self.rank == 0:
+                aside = self._set_aside(path)
+                self.events.emit(
+                    RunWarning(kind="checkpoint_skipped", step=step, reason=f"{e} (set aside as {aside.name})")
+                )
+            older = self.find_latest()  # collective: every rank is past its load
+            if not older or older == step:  # (== step: it could not be set aside)
+                raise StaleShardError(f"{e}; no older checkpoint to resume from: the attempt starts afresh") from e
+            return self.load(older, load)
         self.saved_step = step
         if (
             self.rank == 0 and self.on_published is not None
         ):  # its upload may have been cut (the mirror skips what it has)
             self.on_published(path)
+        return step
 
     # ------------------------------------------------------------------ save
     def step(self, step: int, state: Callable[[], tuple[dict, dict]], *, last: bool) -> None:

@@ -232,8 +232,8 @@ def resume(checkpointer: Checkpointer, local: LocalTier | None, state: TrainStat
     if newest_local > durable:
         state.restore(local.load(newest_local))
         return newest_local, source
-    if durable:
-        checkpointer.load(durable, state.load)
+    if durable:  # an older one when a shard of that one is found stale as it loads
+        durable = checkpointer.load(durable, state.load)
     return durable, "durable"
 
 

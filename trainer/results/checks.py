@@ -18,6 +18,7 @@ from trainer.checkpoint import (
     LATEST,
     MANIFEST,
     CheckpointError,
+    audit_checkpoint,
     latest_checkpoint,
     latest_is_corrupt,
     open_checkpoint,
@@ -116,8 +117,11 @@ def check_complete(t: Target) -> Check:
 
 
 def check_intact(t: Target) -> Check:
-    """SHA-256 of every file against the manifest."""
-    values = {
+    """SHA-256 of every file against the manifest; then, when the ranks recorded shard digests,
+    every shard of the written tensors against what its rank was asked to save (the whole state
+    read here is left on the target for ``loadable``).
+    """
+    values: dict = {
         "files_hashed": len(t.manifest["files"]),
         "bytes_hashed": sum(f["size"] for f in t.manifest["files"].values()),
     }
@@ -125,14 +129,33 @@ def check_intact(t: Target) -> Check:
         verify_checkpoint(t.path, checksums=True)
     except CheckpointError as e:
         return Check("intact", False, values, str(e))
-    return Check("intact", True, values, f"SHA-256 of {values['files_hashed']} files match the manifest")
+
+    def read(path: Path) -> dict:
+        t.state = read_full_state(path)
+        return t.state
+
+    try:
+        audit = audit_checkpoint(t.path, read)
+    except CheckpointError as e:
+        return Check("intact", False, values, str(e))
+    values.update(audited=audit.audited, shards_audited=audit.shards, mismatches=len(audit.mismatches))
+    hashed = f"SHA-256 of {values['files_hashed']} files match the manifest"
+    if audit.mismatches:
+        more = f" (and {len(audit.mismatches) - 1} more)" if len(audit.mismatches) > 1 else ""
+        detail = f"stale or wrong shard written: {audit.mismatches[0]}{more}"
+        return Check("intact", False, values | {"stale": list(audit.mismatches)}, detail)
+    if not audit.audited:
+        return Check("intact", True, values, f"{hashed}; not audited (no shard digests: saved before they were kept)")
+    return Check(
+        "intact", True, values, f"{hashed}; the {audit.shards} shards of {audit.ranks} ranks hold what each rank saved"
+    )
 
 
 def check_loadable(t: Target) -> Check:
     """Single-process load into a fresh model + optimizer, then a resharded load, compared."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    state = read_full_state(t.path)
+    state = t.state if t.state is not None else read_full_state(t.path)  # (``intact`` read it to audit it)
     model = _build(t.cfg)
     optimizer = torch.optim.AdamW(model.module.parameters())
     set_state_dict(

@@ -6,7 +6,9 @@ Six checks, each reported by name with what it measured:
               present with its recorded size, every shard file the DCP ``.metadata`` reads from is
               in the manifest and long enough, and ``latest`` names the checkpoint (when the
               latest is validated).
-``intact``    every file's SHA-256 matches the one recorded at save time.
+``intact``    every file's SHA-256 matches the one recorded at save time, and every shard the ranks
+              recorded a digest of holds what its rank was asked to save (a checkpoint saved
+              before digests were kept is reported as not audited).
 ``loadable``  loads into a freshly built model + optimizer in one process with no process group,
               and into a real gloo job of a different world size that shards the model with
               ``fully_shard`` and loads it with ``dcp.load``; the resharded state must equal the
