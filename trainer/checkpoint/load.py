@@ -44,11 +44,14 @@ def load_tensors(
     checkpoint = open_checkpoint(path)
     checkpoint.metadata()  # verified and read here, so that a bad one raises as itself (DCP would wrap it)
     dcp.load(tensors, storage_reader=checkpoint.storage_reader(), process_group=group)
-    if checkpoint.manifest.get("world_size") == dist.get_world_size(group) and (records := read_digests(checkpoint)):
-        rank, step = dist.get_rank(), checkpoint.manifest.get("step")  # (records are by global rank)
+    distributed = dist.is_initialized()  # (DCP loads in one process without a process group too)
+    world = dist.get_world_size(group) if distributed else 1
+    if checkpoint.manifest.get("world_size") == world and (records := read_digests(checkpoint)):
+        rank, step = dist.get_rank() if distributed else 0, checkpoint.manifest.get("step")  # (by global rank)
         found = [m.describe(step) for m in audit_local_state(tensors, records[rank], rank)]
-        every: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(every, found[0] if found else None, group=group)  # each rank's first
+        every: list = [found[0] if found else None] * world
+        if distributed:
+            dist.all_gather_object(every, every[0], group=group)  # each rank's first
         if bad := [m for m in every if m is not None]:
             more = f" (and mismatches on {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
             raise StaleShardError(f"{checkpoint.path.name}: stale or wrong shard written: {bad[0]}{more}")
