@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench.audit import audit_run
 from bench.common import (
     fault_recoveries,
     fmt,
@@ -59,7 +60,7 @@ FULL = {
     "reps": 1,
 }
 QUICK = {"model": "tiny", "steps": 16, "ckpt_every": 4, "fault": "exception@6:1,sigkill@11:1", "reps": 1}
-CONFIG_PARAMS = ("model", "steps", "ckpt_every", "seed", "hang_timeout")
+CONFIG_PARAMS = ("model", "steps", "ckpt_every", "seed", "hang_timeout", "keep_last")
 """The ``params`` entries that are passed on to the trainer (the same for both methods)."""
 
 
@@ -132,7 +133,8 @@ def measure_goodput(events: list[Event], wall_s: float) -> dict:
 
 
 def run_one(method: str, run_dir: Path, data: Path, params: dict) -> dict:
-    """One run of the fault schedule with ``method``; its goodput figures."""
+    """One run of the fault schedule with ``method``; its goodput figures (with ``params``'
+    ``audit``, also its checkpoints' audit: :func:`bench.audit.audit_run`)."""
     fresh_dir(run_dir)
     common = {k: params[k] for k in CONFIG_PARAMS if k in params} | {"local_ckpt_every": LOCAL_EVERY[method]}
     if method != "baseline":
@@ -157,7 +159,10 @@ def run_one(method: str, run_dir: Path, data: Path, params: dict) -> dict:
             f"{params.get('benchmark', 'goodput')} benchmark: the {method} run did not complete (exit {code}); "
             f"logs in {run_dir / 'logs'}"
         )
-    return measure_goodput(events, wall)
+    result = measure_goodput(events, wall)
+    if params.get("audit"):  # after the run: the audit takes none of its time (bench.audit)
+        result["audit"] = audit_run(run_dir)
+    return result
 
 
 def compare(params: dict, work: Path, data: Path, methods: tuple[str, ...] = METHODS) -> dict[str, dict]:

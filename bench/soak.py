@@ -21,6 +21,7 @@ import math
 import statistics
 from pathlib import Path
 
+from bench.audit import combine, keep_every_save
 from bench.common import (
     fmt,
     fresh_dir,
@@ -101,10 +102,17 @@ def calibrate(work: Path, data: Path, params: dict) -> dict:
 
 
 def run(
-    quick: bool, work: Path, data: Path, fault_every: float | None = None, ckpts_per_fault: int | None = None
+    quick: bool,
+    work: Path,
+    data: Path,
+    fault_every: float | None = None,
+    ckpts_per_fault: int | None = None,
+    audit: bool = False,
 ) -> dict:
     """Calibrate, then every method under the same schedule of faults every ``fault_every`` s,
-    with ``ckpts_per_fault`` durable checkpoints between two faults.
+    with ``ckpts_per_fault`` durable checkpoints between two faults. With ``audit``, every
+    checkpoint each run publishes is kept and audited against its ranks' shard digests once
+    the run has ended (:mod:`bench.audit`): saves audited, mismatches, the digests' cost per save.
     """
     params = dict(QUICK if quick else FULL, ckpts_per_fault=CKPTS_PER_INTERVAL)
     if fault_every is not None:
@@ -129,6 +137,8 @@ def run(
         # The baseline waits out gloo's collective timeout at each hang: room for all of them.
         "timeout_s": 1800 + 4 * steps * calibration["step_wall_s"],
     }
+    if audit:
+        params |= {"audit": True, "keep_last": keep_every_save(steps, ckpt_every)}
     methods = compare(params, work, data, METHODS)
     ours, two_tier = methods["resilient"], methods["resilient_local"]
     two_tier["vs_single_tier"] = ratio(two_tier["goodput"], ours["goodput"])
@@ -136,12 +146,20 @@ def run(
     # The most the local tier can give in this schedule: the single tier's run without the wall
     # time of its redone steps (a free tier that loses nothing) -- a ceiling for the 1.2x target.
     two_tier["ceiling_vs_single_tier"] = ratio(ours["wall_s"], ours["wall_s"] - ours["lost_step_s"])
+    audited = (
+        {"all": combine([r["audit"] for m in methods.values() for r in m["runs"]])}
+        | {name: combine([r["audit"] for r in m["runs"]]) for name, m in methods.items()}
+        if audit
+        else None
+    )
     return {
         "benchmark": "soak",
         "params": params,
         "methods": methods,
         "per_kind": per_kind(methods),
-        "targets": [
+        "audit": audited,
+        "targets": ([target("soak audit: mismatches == 0", audited["all"]["mismatches"], 0)] if audit else [])
+        + [
             target("soak goodput resilient / baseline >= 1.5", ours["ratio"], 1.5, at_least=True),
             target(
                 "soak goodput resilient >= 0.7 (meaningful at a fault every 60 s, tiny model)",
@@ -198,6 +216,8 @@ def show(result: dict) -> None:
     print_stages(
         "soak: when each recovery stage ended (s after the fault, median)", [(label, k["phases"]) for label, k in kinds]
     )
+    if result.get("audit"):
+        show_audit(result["audit"])
     print_targets(result["targets"])
     print_wall_ratios({k: v for k, v in result["methods"].items() if k != "resilient_local"})
     print_wall_ratios({k: v for k, v in result["methods"].items() if k != "baseline"}, against="resilient")
@@ -207,3 +227,23 @@ def show(result: dict) -> None:
         "of the single tier's goodput "
         f"(its redone steps' {fmt(result['methods']['resilient']['lost_step_s'], ' s', 1)} removed at no cost)"
     )
+
+
+def show_audit(audited: dict[str, dict]) -> None:
+    """The audit's table: per method and in all, saves published and audited, mismatches, and
+    the ranks' recorded digest seconds per save (the slowest rank's; all ranks' together).
+    """
+    rows = []
+    for name, a in audited.items():
+        cost, cpu = a["digest_s"] or {}, a["digest_cpu_s"] or {}
+        rows.append(
+            [name, str(a["saves_published"]), str(a["saves_audited"]), str(a["not_audited"] + len(a["unreadable"]))]
+            + [str(a["mismatches"]), fmt(cost.get("mean"), " s", 4), fmt(cost.get("max"), " s", 4)]
+            + [fmt(cpu.get("mean"), " s", 4)]
+        )
+    columns = ["method", "published", "audited", "not audited", "mismatches", "digest/save", "max", "all ranks"]
+    print_table("soak --audit: every published checkpoint against its ranks' shard digests", columns, rows)
+    for line in audited["all"]["mismatched"]:
+        print(f"  stale or wrong shard: {line}")
+    if audited["all"]["rejected_at_resume"]:
+        print(f"  set aside at a resume for a stale shard: steps {audited['all']['rejected_at_resume']}")

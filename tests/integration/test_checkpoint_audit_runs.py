@@ -2,8 +2,8 @@
 writer (NVRx's background worker, the copy into staging beside the next step). Every published
 checkpoint audits clean against its ranks' digests; a stale but well-formed write (the newest
 checkpoint's shard files replaced by the previous checkpoint's, every checksum made consistent)
-is named by validation and skipped by resume. The digests' parts in one process:
-tests/unit/test_checkpoint_digests.py.
+is named by validation and by the soak's audit, and skipped by resume. The digests' parts in
+one process: tests/unit/test_checkpoint_digests.py.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.audit import audit_run
 from tests.conftest import train
 from tests.unit.test_checkpoint_trust import reseal
 from trainer.checkpoint import CHECKPOINTS, MANIFEST, audit_checkpoint, published_checkpoints, verify_checkpoint
@@ -72,6 +73,10 @@ def test_a_stale_well_formed_write_is_named_by_validation_and_resume_falls_back(
     assert intact.detail.startswith("stale or wrong shard written: model.")
     assert "(rank " in intact.detail and "at step 12:" in intact.detail
     assert intact.values["audited"] and intact.values["mismatches"] > 0
+    soak = audit_run(copy)  # what `rfsdp bench soak --audit` reports of a run (it prunes to the newest 3)
+    assert (soak["saves_published"], soak["saves_audited"], soak["not_audited"]) == (4, 4, 0)
+    assert soak["mismatches"] == intact.values["mismatches"] and soak["mismatched"][0] in intact.detail
+    assert soak["digest_s"]["max"] >= soak["digest_s"]["mean"] > 0
 
     train(data_dir, copy, "--steps", "18", *FLAGS)
     events = read_events(copy)
@@ -81,5 +86,5 @@ def test_a_stale_well_formed_write_is_named_by_validation_and_resume_falls_back(
     assert (copy / CHECKPOINTS / "step_000012.rejected").is_dir()
     logged, redone = final_losses(read_events(run)), final_losses(events)
     assert [redone[s] for s in (10, 11, 12)] == [logged[s] for s in (10, 11, 12)]
-    for step, path in published_checkpoints(copy / CHECKPOINTS):
-        assert audit_checkpoint(path).mismatches == (), step
+    after = audit_run(copy)
+    assert (after["mismatches"], after["rejected_at_resume"], after["saves_audited"]) == (0, [12], 5)  # 6 to 18
