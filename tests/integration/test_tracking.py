@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import signal
 import socket
@@ -540,3 +541,26 @@ def test_under_kubeflows_own_mlflow_run_the_training_run_is_nested_in_it(
     alone = MlflowClient(tracking_uri=plain).get_run(log_run(faulty_run, tracking_uri=plain))
     assert "mlflow.parentRunId" not in alone.data.tags
     assert MlflowClient(tracking_uri=plain).get_experiment(alone.info.experiment_id).name == "resilient-fsdp"
+
+
+# Processes that meet a new sqlite store at once, each with a temp folder of its own (as a pod's
+# or a pipeline step's is): before, both migrated it and one failed with "table
+# _alembic_tmp_experiments already exists".
+_FIRST_USE = """
+import sys
+from trainer.results.tracking.uri import client_of
+client_of(sys.argv[1]).search_experiments()
+"""
+
+
+def test_processes_with_their_own_temp_folders_open_a_new_sqlite_store_at_once(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
+    procs = []
+    for i in range(4):
+        (own_tmp := tmp_path / f"tmp{i}").mkdir()
+        env = {**os.environ, "TMPDIR": str(own_tmp)}
+        command = [sys.executable, "-c", _FIRST_USE, uri]
+        procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True))
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, "\n".join(errors)
+    assert [e.name for e in MlflowClient(tracking_uri=uri).search_experiments()] == ["Default"]

@@ -14,13 +14,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import urlparse
 
 from trainer.events import EVENTS_FILE, Event, first_run_start_line, read_events, session_finished
 from trainer.results.tracking.metrics import checkpoint_table, metric_points, restart_table, run_params
 from trainer.results.tracking.uri import (
     TrackingError,
     artifact_location,
+    client_of,
     redact,
     redact_uri,
     resolve_tracking_uri,
@@ -100,11 +100,9 @@ def logged_runs(experiment: str = DEFAULT_EXPERIMENT, tracking_uri: str | None =
     Raises:
         ValueError: no such experiment at that tracking URI.
     """
-    from mlflow import MlflowClient
-
     uri = resolve_tracking_uri(tracking_uri or None)
     wait_for_server(uri)
-    client = MlflowClient(tracking_uri=uri)
+    client = client_of(uri)
     found = client.get_experiment_by_name(experiment)
     if found is None or found.lifecycle_stage == "deleted":
         raise ValueError(f"experiment: no MLflow experiment named {experiment!r} at {redact_uri(uri)}")
@@ -273,14 +271,10 @@ def _failure_tags(failure: Failure) -> dict[str, str]:
 
 
 def _client(uri: str) -> MlflowClient:
-    """A client of ``uri``; a sqlite store's folder is created first."""
-    from mlflow import MlflowClient
-
-    if urlparse(uri).scheme == "sqlite":
-        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    """A client of ``uri`` (a new sqlite store is made first), credentials never printed."""
     if redact_uri(uri) != uri:  # MLflow prints "View run ... at: <the URI>" on stdout, credentials included
         os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
-    return MlflowClient(tracking_uri=uri)
+    return client_of(uri)
 
 
 def _log(

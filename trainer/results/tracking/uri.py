@@ -14,21 +14,46 @@ URI goes through :func:`redact_uri` or :func:`redact`.
 from __future__ import annotations
 
 import base64
+import fcntl
 import os
 import re
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse, urlsplit, urlunsplit
 
 from trainer.errors import ParameterError
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
 
 _STORE_SCHEMES = ("http", "https", "sqlite", "file", "databricks", "postgresql", "mysql", "mssql")
 
 
 class TrackingError(RuntimeError):
     """The tracking store could not be reached or refused the run; nothing in the run dir changed."""
+
+
+def client_of(tracking_uri: str) -> MlflowClient:
+    """A client of ``tracking_uri``; a sqlite store is created first if new, one process at a time.
+
+    MLflow serializes a new database's migrations with a lock file in the temp folder, which two
+    processes do not share when their ``/tmp`` differs (a pod's, a pipeline step's): both then
+    migrate the same file and one fails ("table _alembic_tmp_experiments already exists"). The
+    lock here lives beside the database, which every process that uses it shares.
+    """
+    from mlflow import MlflowClient
+
+    if urlparse(tracking_uri).scheme != "sqlite":
+        return MlflowClient(tracking_uri=tracking_uri)
+    db = Path(tracking_uri.removeprefix("sqlite:///"))
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(f"{db.name}.init-lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        client = MlflowClient(tracking_uri=tracking_uri)  # makes (and migrates) the store, cached per URI
+    return client
 
 
 def project_dir(start: Path | None = None) -> Path:
@@ -141,9 +166,7 @@ def run_url(tracking_uri: str, run_id: str) -> str:
     """The MLflow UI's page of a run: on the tracking server, or on ``mlflow ui`` (its default
     address) for a local store.
     """
-    from mlflow import MlflowClient
-
-    experiment_id = MlflowClient(tracking_uri=tracking_uri).get_run(run_id).info.experiment_id
+    experiment_id = client_of(tracking_uri).get_run(run_id).info.experiment_id
     server = urlsplit(tracking_uri)
     # A page to show: no credentials, and no query (a token there would end up in a browser's history).
     shown = urlunsplit((server.scheme, server.netloc.rpartition("@")[2], server.path, "", ""))
