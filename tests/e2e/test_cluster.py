@@ -298,6 +298,44 @@ def test_a_pod_runs_its_container_as_the_operator_and_kubelet_would(cluster: Clu
         assert stored["metadata"]["ownerReferences"][0]["uid"] == cluster.stored(PLURAL, NS, "probe")["metadata"]["uid"]
 
 
+SHM_PROBE = """
+import os, subprocess, sys
+seen = open("/dev/shm/marker").read() if os.path.exists("/dev/shm/marker") else ""
+open("/dev/shm/marker", "a").write("x")
+print("seen", repr(seen), flush=True)
+if not seen:  # the first run leaves a process of a session of its own behind, and fails
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    open("/mnt/scratch/left-behind", "w").write(str(child.pid))
+    sys.exit(1)
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether the process runs (a killed one waiting to be reaped, a zombie, does not)."""
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+def test_a_memory_empty_dir_outlives_a_container_restart_and_a_container_ends_whole(cluster: Cluster) -> None:
+    """A pod's `medium: Memory` emptyDir (the workers' /dev/shm) lives as long as the pod, as on a
+    node: the restarted container finds what the failed one wrote there. What a container started
+    ends with it, even in a session of its own, as a runtime kills the container's cgroup.
+    """
+    jobs, core = admin(cluster)
+    job = tiny_job("shm", SHM_PROBE, claim="scratch")
+    pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    pod["containers"][0]["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})
+    pod["volumes"].append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Mi"}})
+    jobs.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, job)
+    wait_for(lambda: "Succeeded" in conditions(cluster.stored(PLURAL, NS, "shm")), what="the job to succeed")
+    assert core.read_namespaced_pod_log("shm-worker-0", NS, previous=True) == "seen ''\n"
+    assert core.read_namespaced_pod_log("shm-worker-0", NS) == "seen 'x'\n"
+    left = int((Path(cluster.kubeconfig).parent.parent / "pvc" / "left-behind").read_text())
+    assert not _running(left)
+
+
 def test_restart_policies_and_backoff_limit(cluster: Cluster) -> None:
     jobs, core = admin(cluster)
     # OnFailure: the kubelet restarts the failed container in the same pod (the claim keeps the

@@ -1,11 +1,13 @@
 """A container's start, for the emulated kubelet (``trainer.emulation.operator``).
 
 ``python -m trainer.emulation.container SPEC_JSON`` joins the pod's network namespace (one per
-job: the job's pods reach each other on loopback addresses), enters a mount and a UTS namespace
-of its own, mounts the pod's volumes where the container expects them (bind mounts; tmpfs for an
-``emptyDir`` with ``medium: Memory``), puts the pod's ``/etc/hosts`` in place (the job's service
-names, as cluster DNS would resolve them), sets the hostname to the pod's name, and then execs
-the container's command: the process the kubelet watches is the command itself. Needs root.
+job: the job's pods reach each other on loopback addresses) and its sandbox's mount namespace
+(where the pod's ``medium: Memory`` emptyDirs are mounted, so that they outlive the container),
+enters a mount namespace of its own (a copy of the sandbox's) and a UTS namespace, bind-mounts
+the pod's volumes where the container expects them, puts the pod's ``/etc/hosts`` in place (the
+job's service names, as cluster DNS would resolve them), sets the hostname to the pod's name, and
+then execs the container's command: the process the kubelet watches is the command itself. Needs
+root.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import socket
 import sys
 
 _CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWNET = 0x00020000, 0x04000000, 0x40000000
@@ -41,19 +44,25 @@ def _mount(source: str, target: str, fstype: str | None, flags: int, data: str |
 
 def main(spec: dict) -> None:
     """Set the container's namespaces and mounts up, then exec its command (never returns)."""
-    fd = os.open(spec["netns"], os.O_RDONLY)
-    _check(_libc.setns(fd, _CLONE_NEWNET), "setns (the job's network)")
-    os.close(fd)
+    for path, kind, what in (
+        (spec["netns"], _CLONE_NEWNET, "the job's network"),
+        (spec["sandbox"], _CLONE_NEWNS, "the pod's sandbox"),
+    ):
+        fd = os.open(path, os.O_RDONLY)
+        _check(_libc.setns(fd, kind), f"setns ({what})")
+        os.close(fd)
     _check(_libc.unshare(_CLONE_NEWNS | _CLONE_NEWUTS), "unshare (mount, uts)")
-    _mount("none", "/", None, _MS_REC | _MS_PRIVATE)  # nothing mounted here leaks to the machine
+    # To the kubelet, which kills every process in this namespace when the container ends.
+    ns = os.open("/proc/self/ns/mnt", os.O_RDONLY)
+    with socket.socket(fileno=spec["namespace_fd"]) as kubelet:
+        socket.send_fds(kubelet, [b"mnt"], [ns])
+    os.close(ns)
+    _mount("none", "/", None, _MS_REC | _MS_PRIVATE)  # nothing mounted here leaks to the sandbox or the machine
     for m in spec["mounts"]:
         os.makedirs(m["target"], exist_ok=True)
-        if m["kind"] == "tmpfs":
-            _mount("tmpfs", m["target"], "tmpfs", 0, f"size={m['size']}" if m.get("size") else None)
-        else:
-            _mount(m["source"], m["target"], None, _MS_BIND | _MS_REC)
-            if m.get("readOnly"):
-                _mount("none", m["target"], None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY)
+        _mount(m["source"], m["target"], None, _MS_BIND | _MS_REC)
+        if m.get("readOnly"):
+            _mount("none", m["target"], None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY)
     _mount(spec["hosts"], "/etc/hosts", None, _MS_BIND)
     name = spec["hostname"].encode()
     _check(_libc.sethostname(name, len(name)), "sethostname")

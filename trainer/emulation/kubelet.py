@@ -5,13 +5,17 @@ It runs a pod's container with ``trainer.emulation.container``: the container's 
 image), ``envFrom`` and ``env`` (secrets from the cluster), the pod's volumes mounted at their
 ``mountPath`` (a claim maps to a local directory, an ``emptyDir`` to a per-pod directory or tmpfs,
 a secret to files), the pod's name as hostname, the job's service names resolvable, every pod of
-one job in one network namespace of its own. It restarts a container per the pod's
-``restartPolicy`` (Always, OnFailure) after the kubelet's crash-loop back-off, records exit codes
-(a signal ``N`` is ``128+N``) and restart counts, and deletes a pod gracefully: SIGTERM to the
-container's process, SIGKILL to everything left after ``terminationGracePeriodSeconds``; the pod
-then shows its terminal phase (Succeeded for exit code 0, else Failed, as Kubernetes 1.27+ does)
-for one sync of the controllers, and is gone. It records the kubelet's Events (Pulled, Created,
-Started, BackOff, Killing, FailedMount) and the scheduler's (Scheduled, FailedScheduling).
+one job in one network namespace of its own. Each pod has a sandbox (a mount namespace held by a
+process of its own, as the pause container holds a pod's namespaces): its ``medium: Memory``
+emptyDirs live there, so they outlive container restarts and go with the pod. It restarts a
+container per the pod's ``restartPolicy`` (Always, OnFailure) after the kubelet's crash-loop
+back-off, records exit codes (a signal ``N`` is ``128+N``) and restart counts, and deletes a pod
+gracefully: SIGTERM to the container's process, SIGKILL to everything left after
+``terminationGracePeriodSeconds``; the pod then shows its terminal phase (Succeeded for exit code
+0, else Failed, as Kubernetes 1.27+ does) for one sync of the controllers, and is gone. Whenever a
+container ends, every process it started is killed with it, as a runtime kills the container's
+cgroup: here, every process in its mount namespace. It records the kubelet's Events (Pulled,
+Created, Started, BackOff, Killing, FailedMount) and the scheduler's (Scheduled, FailedScheduling).
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
@@ -36,6 +41,7 @@ from trainer.process import die_with_parent
 _VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)|\$\$")
 _QUANTITY = re.compile(r"^([0-9.]+)([KMGTPE]i?)?$")
 _UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+_TERMINAL = ("Succeeded", "Failed")
 
 
 @dataclass
@@ -49,6 +55,16 @@ class _Container:
     kill_at: float | None = None
     terminal: bool = False
     """A deleted pod's container has ended and the pod shows its terminal phase."""
+    namespaces: set[str] = field(default_factory=set)
+    """The mount namespace of the container's current run (``mnt:[INODE]``), once known: every
+    process in it is the container's."""
+    channel: socket.socket | None = None
+    """Where the current run sends its mount namespace (an fd), once it has made it."""
+    held: list[int] = field(default_factory=list)
+    """Open fds of ``namespaces``: while one is held, its inode (its name) cannot go to another
+    namespace."""
+    sandbox: str = ""
+    """The pod's sandbox's mount namespace (``mnt:[INODE]``)."""
 
 
 class Kubelet:
@@ -72,6 +88,8 @@ class Kubelet:
         self.events, self.enabled = events, enabled
         self.containers: dict[str, _Container] = {}  # by pod uid
         self.networks: dict[str, subprocess.Popen] = {}  # by job uid: the holder of its network namespace
+        self.sandboxes: dict[str, subprocess.Popen] = {}  # by pod uid: the holder of its mount namespace
+        self.own_namespace = os.readlink("/proc/self/ns/mnt")
 
     def delete_pod(self, pod: dict, grace: int | None) -> None:
         """Mark a pod for graceful deletion (the kubelet does the rest)."""
@@ -125,11 +143,10 @@ class Kubelet:
                 if state.proc is not None:
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         state.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-                    _kill_group(state.proc, signal.SIGKILL)
-                    state.proc.wait()
+                    self._kill_container(state)
                 if state.log_file is not None:
                     state.log_file.close()
-            for holder in self.networks.values():
+            for holder in [*self.sandboxes.values(), *self.networks.values()]:
                 holder.kill()
                 holder.wait()
 
@@ -143,6 +160,8 @@ class Kubelet:
         meta, status = pod["metadata"], pod["status"]
         state = self.containers.setdefault(meta["uid"], _Container())
         alive = state.proc is not None and state.proc.poll() is None
+        if state.channel is not None:
+            self._note_namespace(state)
         if not self.enabled and "deletionTimestamp" not in meta:
             self._unschedulable(pod, "Unschedulable", "0/0 nodes are available: no nodes available to schedule pods.")
             return
@@ -155,20 +174,18 @@ class Kubelet:
             if alive and time.monotonic() < (state.kill_at or 0):
                 return
             if state.proc is not None and not state.terminal:
-                _kill_group(state.proc, signal.SIGKILL)  # whatever is left of the container
-                state.proc.wait()
+                self._kill_container(state)  # whatever is left of the container
                 # Kubernetes 1.27+: a deleted pod reaches a terminal phase, from its container's
                 # exit code, before it is removed. Controllers see it for one sync: the operator
                 # counts an evicted pod that exited 0 as succeeded, as the training operator does.
                 state.terminal = self._terminate(pod, state.proc.returncode)
                 if state.terminal:
                     return
-            if state.log_file is not None:
-                state.log_file.close()
-            self.containers.pop(meta["uid"], None)
+            self._forget(pod)
             self.store.remove("pods", meta["namespace"], meta["name"])
             return
-        if status["phase"] in ("Succeeded", "Failed"):
+        if status["phase"] in _TERMINAL:
+            self._release_sandbox(meta["uid"])  # its container never runs again
             return
         if state.proc is None:
             self._start(pod, state)
@@ -176,9 +193,9 @@ class Kubelet:
         if alive:
             return
         code = _exit_code(state.proc.returncode)
-        _kill_group(state.proc, signal.SIGKILL)  # the container ends with its main process
         cstatus = status["containerStatuses"][0]
         if cstatus["state"].get("running"):
+            self._kill_container(state)  # the container ends with its main process
             _record_exit(cstatus, code)
             policy = pod["spec"].get("restartPolicy", "Always")
             if policy == "Always" or (policy == "OnFailure" and code != 0):
@@ -201,6 +218,87 @@ class Kubelet:
             cstatus["restartCount"] += 1
             self._start(pod, state)
 
+    def _forget(self, pod: dict) -> None:
+        """The pod is gone: its log closed, its state and sandbox released."""
+        state = self.containers.pop(pod["metadata"]["uid"], None)
+        if state is not None and state.log_file is not None:
+            state.log_file.close()
+        self._release_sandbox(pod["metadata"]["uid"])
+
+    def _note_namespace(self, state: _Container) -> None:
+        """Take the mount namespace the container's current run sent (before it runs the
+        command: what the command starts is in it, however soon it ends). The fd in flight, then
+        held, keeps the namespace, and so its name, until the run is killed.
+        """
+        try:
+            _, fds, _, _ = socket.recv_fds(state.channel, 16, 1)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            fds = []
+        for fd in fds:
+            state.held.append(fd)
+            state.namespaces.add(f"mnt:[{os.fstat(fd).st_ino}]")
+        state.channel.close()
+        state.channel = None
+
+    def _release_namespaces(self, state: _Container) -> None:
+        """The run's processes are dead: its namespace's name may go to another."""
+        for fd in state.held:
+            os.close(fd)
+        state.held.clear()
+        state.namespaces.clear()
+        if state.channel is not None:
+            state.channel.close()
+            state.channel = None
+
+    def _kill_container(self, state: _Container) -> None:
+        """SIGKILL the container's process group and every process in its mount namespaces (a
+        runtime kills the container's cgroup: ranks in sessions of their own die with it), then
+        reap its main process.
+        """
+        if state.channel is not None:
+            self._note_namespace(state)
+        _kill_group(state.proc, signal.SIGKILL)
+        _kill_namespaces(state.namespaces - {self.own_namespace, state.sandbox})
+        state.proc.wait()
+        self._release_namespaces(state)
+
+    def _release_sandbox(self, uid: str) -> None:
+        holder = self.sandboxes.pop(uid, None)
+        if holder is not None:
+            holder.kill()
+            holder.wait()
+
+    def _sandbox(self, pod: dict, memory: dict[str, int | None]) -> str:
+        """The pod's mount namespace (``/proc/PID/ns/mnt`` of a process that only holds it),
+        made with its first container: a tmpfs mounted on each ``memory`` folder (path -> size
+        in bytes, None: the default), its Memory emptyDirs, which each container's own mount
+        namespace, a copy of this one, binds where it wants them. It goes with the pod.
+        """
+        uid = pod["metadata"]["uid"]
+        if uid not in self.sandboxes:
+            holder = subprocess.Popen(
+                ["unshare", "--mount", "--propagation", "private", "sleep", "infinity"],
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
+            # Until unshare has made it private and exec'd sleep: a tmpfs mounted before that
+            # could propagate to this machine's namespace.
+            while _comm(holder.pid) not in ("sleep", None):
+                time.sleep(0.01)
+            try:
+                for path, size in memory.items():
+                    options = ["-o", f"size={size}"] if size else []
+                    mount = ["mount", "-t", "tmpfs", *options, "tmpfs", path]
+                    subprocess.run(["nsenter", f"--mount=/proc/{holder.pid}/ns/mnt", *mount], check=True)
+            except BaseException:
+                holder.kill()
+                holder.wait()
+                raise
+            self.sandboxes[uid] = holder
+        return f"/proc/{self.sandboxes[uid].pid}/ns/mnt"
+
     def _terminate(self, pod: dict, returncode: int) -> bool:
         """Give a deleted pod whose container ran its terminal phase; False if it never ran."""
         statuses = pod["status"].get("containerStatuses") or []
@@ -221,8 +319,14 @@ class Kubelet:
         except ApiError as e:  # a missing claim or secret: the pod waits, as it would on a node
             self._unschedulable(pod, e.reason, e.message)
             return
+        launch["sandbox"] = self._sandbox(pod, launch.pop("memory"))
+        state.sandbox = os.readlink(launch["sandbox"])
         pod_dir = self.pod_dir(pod)
         state.log = pod_dir / f"{container['name']}-{restarts}.log"
+        self._release_namespaces(state)  # the last run's, whose processes are gone with it
+        state.channel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        state.channel.setblocking(False)
+        launch["namespace_fd"] = theirs.fileno()
         if state.log_file is not None:
             state.log_file.close()
         state.log_file = open(state.log, "ab")  # noqa: SIM115 (closed when the pod goes)
@@ -233,7 +337,9 @@ class Kubelet:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             preexec_fn=die_with_parent,  # the loop thread started it: the pod dies with the cluster
+            pass_fds=(theirs.fileno(),),
         )
+        theirs.close()
         started = now_rfc3339()
         status.update(phase="Running", startTime=status.get("startTime", started), hostIP="127.0.0.1", conditions=[])
         cstatus = {
@@ -323,6 +429,7 @@ class Kubelet:
         pod_dir = self.pod_dir(pod)
         volumes = {v["name"]: v for v in spec.get("volumes") or []}
         mounts = []
+        memory: dict[str, int | None] = {}  # the sandbox's tmpfs folders
         for vm in container.get("volumeMounts") or []:
             volume = volumes[vm["name"]]
             mount = {"target": vm["mountPath"], "readOnly": vm.get("readOnly", False)}
@@ -332,12 +439,11 @@ class Kubelet:
                     raise ApiError(400, "Unschedulable", f'persistentvolumeclaim "{claim}" not found')
                 mount.update(kind="bind", source=str(self.claims[claim] / vm.get("subPath", "")))
             elif "emptyDir" in volume:
-                if volume["emptyDir"].get("medium") == "Memory":
-                    mount.update(kind="tmpfs", size=_bytes(volume["emptyDir"].get("sizeLimit")))
-                else:
-                    source = pod_dir / "volumes" / vm["name"]
-                    source.mkdir(parents=True, exist_ok=True)
-                    mount.update(kind="bind", source=str(source))
+                source = pod_dir / "volumes" / vm["name"]
+                source.mkdir(parents=True, exist_ok=True)
+                mount.update(kind="bind", source=str(source))
+                if volume["emptyDir"].get("medium") == "Memory":  # a tmpfs there, in the pod's sandbox
+                    memory[str(source)] = _bytes(volume["emptyDir"].get("sizeLimit"))
             elif "secret" in volume:
                 name = volume["secret"]["secretName"]
                 data = self.secrets.get((ns, name))
@@ -383,6 +489,7 @@ class Kubelet:
         )
         return {
             "netns": self._network(pod),
+            "memory": memory,
             "hostname": meta["name"],
             "hosts": str(hosts),
             "mounts": mounts,
@@ -462,3 +569,32 @@ def _bytes(quantity: str | None) -> int | None:
 def _kill_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
+
+
+def _kill_namespaces(namespaces: set[str]) -> None:
+    """SIGKILL every process in these mount namespaces, again until none is left (one may fork
+    while the others die); a killed process leaves them as it exits.
+    """
+    for _ in range(100 if namespaces else 0):
+        found = False
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                if os.readlink(f"/proc/{entry.name}/ns/mnt") not in namespaces:
+                    continue
+                os.kill(int(entry.name), signal.SIGKILL)
+            except OSError:  # gone meanwhile
+                continue
+            found = True
+        if not found:
+            return
+        time.sleep(0.01)
+
+
+def _comm(pid: int) -> str | None:
+    """The process's command name (None: it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
