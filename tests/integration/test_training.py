@@ -14,7 +14,8 @@ import torch
 
 from tests.conftest import ROOT, losses, rfsdp, train
 from trainer.checkpoint import CHECKPOINTS, latest_checkpoint, read_full_state, verify_checkpoint
-from trainer.events import Checkpoint, RunEnd, RunStart, RunWarning, Step, read_events, select
+from trainer.events import Checkpoint, RunEnd, RunStart, RunWarning, read_events, select
+from trainer.launch.local import RUN_DIR_LOCK
 
 
 def assert_same_tensors(a: dict, b: dict) -> None:
@@ -108,9 +109,12 @@ def test_a_second_job_on_a_live_run_dir_is_refused_and_the_first_finishes_exact(
     ]
     first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        while not select(read_events(run), Step):  # the first job is training
+        # The first job has claimed the run dir: seconds before its first step, so a test process
+        # that the machine's load holds up for a while still finds it starting, not ended.
+        lock = run / RUN_DIR_LOCK
+        while not (lock.exists() and lock.read_text().startswith(f"pid {first.pid} ")):
             assert first.poll() is None, first.stderr.read()
-            time.sleep(0.2)
+            time.sleep(0.05)
         # The first job is frozen while the second tries, so it is live whatever the machine's speed.
         pgrep = subprocess.run(["pgrep", "-f", f"--run-dir {run}"], capture_output=True, text=True)
         frozen = [int(pid) for pid in pgrep.stdout.split()]
