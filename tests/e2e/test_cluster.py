@@ -336,6 +336,82 @@ def test_a_memory_empty_dir_outlives_a_container_restart_and_a_container_ends_wh
     assert not _running(left)
 
 
+NODE_PROBE = """
+import os, pathlib, signal, subprocess, sys, time
+out = pathlib.Path("/mnt/scratch") / os.environ["HOSTNAME"]
+print("seen", repr(open("/dev/shm/marker").read() if os.path.exists("/dev/shm/marker") else ""), flush=True)
+open("/dev/shm/marker", "w").write("x")
+signal.signal(signal.SIGTERM, lambda *_: (out.with_suffix(".term").write_text("got SIGTERM"), sys.exit(1)))
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+out.with_suffix(".child").write_text(str(child.pid))
+time.sleep(600)
+"""
+
+
+def test_a_deleted_node_is_lost_with_its_pods_processes_and_memory(tmp_path: Path) -> None:
+    """`kubectl delete node`: every process of the node's pod dies at once, with no SIGTERM (no
+    `Killing` event), a process in a session of its own included, and its memory with it; the pod
+    is failed and deleted as the pod garbage collector does it, the operator recreates it and the
+    scheduler binds it to the node left. The other pod goes on."""
+    (tmp_path / "pvc").mkdir()
+    with emulated_cluster(
+        tmp_path / "state", claims={"scratch": tmp_path / "pvc"}, restart_backoff_s=0.2, nodes=2
+    ) as cluster:
+        env = {**os.environ, "KUBECONFIG": str(cluster.admin_kubeconfig), "HOME": str(tmp_path)}
+
+        def kubectl(*args: str) -> str:
+            return subprocess.run(["kubectl", *args], env=env, capture_output=True, text=True, check=True).stdout
+
+        assert [line.split()[:2] for line in kubectl("get", "nodes").splitlines()] == [
+            ["NAME", "STATUS"],
+            ["emulated-node-0", "Ready"],
+            ["emulated-node-1", "Ready"],
+        ]
+        job = tiny_job("doomed-node", NODE_PROBE, claim="scratch", replicas=2)
+        pod_spec = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+        pod_spec["containers"][0]["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})
+        pod_spec["volumes"].append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Mi"}})
+        jobs, core = admin(cluster)
+        jobs.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, job)
+        children = [tmp_path / "pvc" / f"doomed-node-worker-{i}.child" for i in range(2)]
+        wait_for(lambda: all(c.exists() for c in children), what="both pods to run")
+        lost = cluster.stored("pods", NS, "doomed-node-worker-1")
+        kept = cluster.stored("pods", NS, "doomed-node-worker-0")
+        assert (kept["spec"]["nodeName"], lost["spec"]["nodeName"]) == ("emulated-node-0", "emulated-node-1")
+        pid = int(children[1].read_text())
+        children[1].unlink()
+        kubectl("delete", "node", "emulated-node-1")
+        wait_for(lambda: children[1].exists(), what="the replacement pod to run")
+        assert not _running(pid) and not (tmp_path / "pvc" / "doomed-node-worker-1.term").exists()
+        replacement = cluster.stored("pods", NS, "doomed-node-worker-1")
+        assert replacement["metadata"]["uid"] != lost["metadata"]["uid"]
+        assert replacement["spec"]["nodeName"] == "emulated-node-0"
+        assert _log(core, "doomed-node-worker-1") == "seen ''\n"  # a new pod's memory: nothing of the lost one's
+        assert cluster.stored("pods", NS, "doomed-node-worker-0")["metadata"]["uid"] == kept["metadata"]["uid"]
+        assert _running(int(children[0].read_text()))
+        with cluster.store.lock:
+            events = [
+                (e["involvedObject"], e["reason"], e["source"]["component"]) for e in cluster.store.items("events")
+            ]
+            changes = list(cluster.store.history)
+        assert {r for o, r, _ in events if o["uid"] == lost["metadata"]["uid"]} == {
+            "Scheduled",
+            "Pulled",
+            "Created",
+            "Started",
+        }  # no Killing: no SIGTERM was sent
+        removing = [o for o, r, c in events if r == "RemovingNode" and c == "node-controller"]
+        assert [(o["kind"], o["name"]) for o in removing] == [("Node", "emulated-node-1")]
+        deleted = [
+            c.object
+            for c in changes
+            if c.type == "DELETED" and c.resource == "pods" and c.object["metadata"]["uid"] == lost["metadata"]["uid"]
+        ]
+        assert len(deleted) == 1 and deleted[0]["status"]["phase"] == "Failed"
+        assert deleted[0]["status"]["conditions"][-1]["reason"] == "DeletionByPodGC"
+        assert deleted[0]["metadata"]["deletionGracePeriodSeconds"] == 0
+
+
 def test_restart_policies_and_backoff_limit(cluster: Cluster) -> None:
     jobs, core = admin(cluster)
     # OnFailure: the kubelet restarts the failed container in the same pod (the claim keeps the

@@ -189,7 +189,8 @@ class Change:
 
 @dataclass
 class Store:
-    """Every object of the cluster, by (resource, namespace, name); one lock for all of it.
+    """Every object of the cluster, by (resource, namespace, name; namespace "" for a
+    cluster-scoped one); one lock for all of it.
 
     The operator and the kubelet (``trainer.emulation.operator``) work on the same objects under
     the same lock, as controllers work on the API server's state. Every change gets a new
@@ -220,7 +221,7 @@ class Store:
     def put(self, resource: str, obj: dict) -> dict:
         """Store (or replace) ``obj`` under a new resourceVersion."""
         meta = obj["metadata"]
-        key = (resource, meta["namespace"], meta["name"])
+        key = (resource, meta.get("namespace", ""), meta["name"])  # "": a cluster-scoped object (a Node)
         old = self.objects.get(key)
         if old is not None:
             self._keys.pop(id(old), None)

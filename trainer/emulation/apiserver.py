@@ -3,8 +3,8 @@
 A kube-apiserver on loopback, over https with the cluster's own CA (``trainer.emulation.tls``),
 for the calls the train step's kubernetes path makes and for a platform engineer's ``kubectl``:
 PyTorchJobs (``kubeflow.org/v1``: create, get, list, watch, merge patch, delete), pods (get, list,
-watch, delete, ``log`` with ``follow=true``), core/v1 Events and the access reviews. It does what
-the real server does with them:
+watch, delete, ``log`` with ``follow=true``), Nodes (get, list, watch, delete: a node lost),
+core/v1 Events and the access reviews. It does what the real server does with them:
 
 - **authentication**: a bearer token of the kubeconfigs, over TLS only; the admin may impersonate
   (``kubectl --as``);

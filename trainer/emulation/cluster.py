@@ -91,6 +91,7 @@ def emulated_cluster(
     secrets_data: Mapping[str, Mapping[str, str]] | None = None,
     restart_backoff_s: float = 10.0,
     kubelet: bool = True,
+    nodes: int = 4,
 ) -> Iterator[Cluster]:
     """Start an emulated cluster; everything it started is stopped on exit (pods get SIGTERM,
     then SIGKILL after 10 s).
@@ -104,6 +105,8 @@ def emulated_cluster(
         restart_backoff_s: the kubelet's first crash-loop back-off (10 s on a real node).
         kubelet: False: no pod is ever started (they stay Pending, as on a cluster without
             nodes): the API server and the operator alone, which need no root.
+        nodes: how many Nodes the cluster has (``emulated-node-0`` ...; each pod goes to the one
+            that runs the fewest). ``kubectl delete node`` loses one: see ``trainer.emulation.kubelet``.
 
     Raises:
         RuntimeError: this machine cannot run it (:func:`cluster_problem` says why).
@@ -122,6 +125,7 @@ def emulated_cluster(
         {(namespace, name): dict(data) for name, data in (secrets_data or {}).items()},
         restart_backoff_s,
         kubelet=kubelet,
+        nodes=nodes,
     )
     handlers = Handlers(
         store, CrdSchema(), delete_pod=controllers.delete_pod, log_source=controllers.log_source, rbac=rbac

@@ -72,6 +72,7 @@ def resources(crd: CrdSchema) -> list[Resource]:
             subresources={"log": ("get",), "status": ("get",)},
         ),
         Resource("", "events", "Event", ("create", "get", "list", "watch"), short=("ev",)),
+        Resource("", "nodes", "Node", ("delete", "get", "list", "watch"), namespaced=False, short=("no",)),
         Resource(
             GROUP,
             PLURAL,

@@ -9,8 +9,8 @@ import time
 
 from trainer.emulation.api import Store, new_metadata, now_rfc3339
 
-HOST = "emulated-node"
-"""The node every pod runs on, as events and ``spec.nodeName`` name it."""
+EVENT_NAMESPACE = "default"
+"""Where the Events of a cluster-scoped object (a Node) go, as on a real cluster."""
 
 
 class Recorder:
@@ -20,11 +20,23 @@ class Recorder:
         self.store = store
         self._seen: dict[tuple, dict] = {}
 
-    def record(self, obj: dict, kind: str, reason: str, message: str, *, component: str, field_path: str = "") -> None:
+    def record(
+        self,
+        obj: dict,
+        kind: str,
+        reason: str,
+        message: str,
+        *,
+        component: str,
+        field_path: str = "",
+        host: str = "",
+    ) -> None:
         """An Event about ``obj``: ``kind`` is Normal or Warning, ``component`` who reports it
-        (``kubelet``, ``pytorchjob-controller``, ``default-scheduler``).
+        (``kubelet``, ``pytorchjob-controller``, ``default-scheduler``, ``node-controller``),
+        ``host`` the node of a kubelet's Event.
         """
         meta = obj["metadata"]
+        namespace = meta.get("namespace") or EVENT_NAMESPACE
         key = (meta["uid"], field_path, kind, reason, message, component)
         now = now_rfc3339()
         seen = self._seen.get(key)
@@ -36,15 +48,17 @@ class Recorder:
             seen["lastTimestamp"] = now
             self.store.touch(seen)
             return
-        involved = {"kind": obj["kind"], "namespace": meta["namespace"], "name": meta["name"], "uid": meta["uid"]}
+        involved = {"kind": obj["kind"], "name": meta["name"], "uid": meta["uid"]}
+        if meta.get("namespace"):
+            involved["namespace"] = meta["namespace"]
         involved.update(apiVersion=obj["apiVersion"], resourceVersion=meta.get("resourceVersion", ""))
         if field_path:
             involved["fieldPath"] = field_path
-        source = {"component": component, **({"host": HOST} if component == "kubelet" else {})}
+        source = {"component": component, **({"host": host} if host else {})}
         event = {
             "apiVersion": "v1",
             "kind": "Event",
-            "metadata": new_metadata({"name": f"{meta['name']}.{time.time_ns():x}"}, meta["namespace"]),
+            "metadata": new_metadata({"name": f"{meta['name']}.{time.time_ns():x}"}, namespace),
             "involvedObject": involved,
             "reason": reason,
             "message": message,
@@ -55,6 +69,6 @@ class Recorder:
             "type": kind,
             "eventTime": None,
             "reportingComponent": component,
-            "reportingInstance": HOST if component == "kubelet" else "",
+            "reportingInstance": host,
         }
         self._seen[key] = self.store.put("events", event)

@@ -34,7 +34,13 @@ from trainer.emulation.rbac import Rbac, Request
 from trainer.emulation.tables import table, wants_table
 
 _DNS_1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_KINDS = {"pods": ("v1", "Pod"), "events": ("v1", "Event"), PLURAL: (f"{GROUP}/{VERSION}", KIND), **PLAIN}
+_KINDS = {
+    "pods": ("v1", "Pod"),
+    "events": ("v1", "Event"),
+    "nodes": ("v1", "Node"),
+    PLURAL: (f"{GROUP}/{VERSION}", KIND),
+    **PLAIN,
+}
 _PATCH_TYPES = ("application/merge-patch+json", "application/json-patch+json", "application/apply-patch+yaml")
 Result = tuple[int, object, dict[str, str]]
 
@@ -363,6 +369,7 @@ class Handlers:
                 raise ApiError(400, "BadRequest", f"gracePeriodSeconds: {e}") from e
             return 200, obj, {}
         if resource != PLURAL:
+            # A Node goes at once too; its pods are the node lifecycle's (trainer.emulation.kubelet).
             self.store.remove(resource, namespace, name)
             return 200, _success(name, resource, meta["uid"]), {}
         # A PyTorchJob has no graceful deletion of its own: Background and Orphan remove it at

@@ -1,5 +1,12 @@
 """The kubelet of the emulated cluster: it runs each pod's container as a local process.
 
+The cluster has ``nodes`` Nodes (``emulated-node-0`` ...: objects of the API; all of them are this
+machine). The scheduler binds each pod to the Ready node that runs the fewest pods. A Node deleted
+(``kubectl delete node``) stands for a machine lost: the node's processes die at once (SIGKILL,
+no SIGTERM: no kubelet is left to send one) with its memory, and, as the pod garbage collector
+does with the pods of a node that no longer exists, its pods are marked Failed (condition
+``DisruptionTarget``, reason ``DeletionByPodGC``) and deleted at once; their owner replaces them.
+
 It runs a pod's container with ``trainer.emulation.container``: the container's ``command`` +
 ``args`` (``$(VAR)`` expanded), the image's environment (this machine's venv stands for the
 image), ``envFrom`` and ``env`` (secrets from the cluster), the pod's volumes mounted at their
@@ -15,7 +22,8 @@ gracefully: SIGTERM to the container's process, SIGKILL to everything left after
 0, else Failed, as Kubernetes 1.27+ does) for one sync of the controllers, and is gone. Whenever a
 container ends, every process it started is killed with it, as a runtime kills the container's
 cgroup: here, every process in its mount namespace. It records the kubelet's Events (Pulled,
-Created, Started, BackOff, Killing, FailedMount) and the scheduler's (Scheduled, FailedScheduling).
+Created, Started, BackOff, Killing, FailedMount), the scheduler's (Scheduled, FailedScheduling)
+and the node controller's (RemovingNode).
 """
 
 from __future__ import annotations
@@ -23,24 +31,29 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import platform
 import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 from trainer.emulation.api import ApiError, Store, not_found, now_rfc3339
-from trainer.emulation.events import HOST, Recorder
+from trainer.emulation.events import Recorder
 from trainer.process import die_with_parent
 
 _VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)|\$\$")
 _QUANTITY = re.compile(r"^([0-9.]+)([KMGTPE]i?)?$")
 _UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+NODE_PREFIX = "emulated-node"
+"""The nodes are ``emulated-node-0``, ``emulated-node-1``, ..."""
+KUBELET_VERSION = "v1.32.0-emulated"
 _TERMINAL = ("Succeeded", "Failed")
 
 
@@ -68,9 +81,9 @@ class _Container:
 
 
 class Kubelet:
-    """The pods' side of the control loop (``trainer.emulation.operator.Controllers`` calls
-    ``sync_pod`` for each pod); ``enabled=False``: no container is ever started (pods stay
-    Pending, deletions complete at once).
+    """The nodes' side of the control loop (``trainer.emulation.operator.Controllers`` calls
+    ``sync_nodes``, then ``sync_pod`` for each pod); ``enabled=False``: no node, and no container
+    is ever started (pods stay Pending, deletions complete at once).
     """
 
     def __init__(
@@ -83,6 +96,7 @@ class Kubelet:
         events: Recorder,
         *,
         enabled: bool = True,
+        nodes: int = 4,
     ) -> None:
         self.store, self.root, self.claims, self.secrets, self.backoff_s = store, root, claims, secrets, backoff_s
         self.events, self.enabled = events, enabled
@@ -90,6 +104,11 @@ class Kubelet:
         self.networks: dict[str, subprocess.Popen] = {}  # by job uid: the holder of its network namespace
         self.sandboxes: dict[str, subprocess.Popen] = {}  # by pod uid: the holder of its mount namespace
         self.own_namespace = os.readlink("/proc/self/ns/mnt")
+        self.nodes: dict[str, dict] = {}  # by name: the nodes registered and not yet seen gone
+        with store.lock:
+            for i in range(nodes if enabled else 0):
+                node = store.put("nodes", _node_object(f"{NODE_PREFIX}-{i}"))
+                self.nodes[node["metadata"]["name"]] = node
 
     def delete_pod(self, pod: dict, grace: int | None) -> None:
         """Mark a pod for graceful deletion (the kubelet does the rest)."""
@@ -155,10 +174,25 @@ class Kubelet:
         """Whether the pod is one of the job's (and so in its network)."""
         return any(r["uid"] == job_uid for r in pod["metadata"].get("ownerReferences") or [])
 
+    def sync_nodes(self) -> None:
+        """The node controller: a registered node no longer stored was deleted (its pods go in
+        ``sync_pod``).
+        """
+        for name in [n for n in self.nodes if self.store.get("nodes", "", n) is None]:
+            node = self.nodes.pop(name)
+            message = f"Node {name} event: Removing Node {name} from Controller"
+            self.events.record(node, "Normal", "RemovingNode", message, component="node-controller")
+
     def sync_pod(self, pod: dict) -> None:
-        """One step of the pod's life: start, watch, restart, or stop and remove its container."""
+        """One step of the pod's life: start, watch, restart, or stop and remove its container;
+        or, when its node is gone, its end with the node.
+        """
         meta, status = pod["metadata"], pod["status"]
         state = self.containers.setdefault(meta["uid"], _Container())
+        node = pod["spec"].get("nodeName")
+        if node and self.store.get("nodes", "", node) is None:
+            self._lost_with_node(pod, state)
+            return
         alive = state.proc is not None and state.proc.poll() is None
         if state.channel is not None:
             self._note_namespace(state)
@@ -218,6 +252,29 @@ class Kubelet:
             cstatus["restartCount"] += 1
             self._start(pod, state)
 
+    def _lost_with_node(self, pod: dict, state: _Container) -> None:
+        """The pod's node is gone, and its kubelet with it: every process of the pod dies at once
+        (SIGKILL; nothing sends SIGTERM), its memory with its sandbox. As the pod garbage
+        collector does with a pod whose node no longer exists, the pod is marked Failed with the
+        condition ``DisruptionTarget`` and deleted at once (grace 0: no kubelet is left to
+        confirm); its owner replaces it. The real collector waits a 40 s quarantine first.
+        """
+        self._kill_pod(pod, state)
+        meta, status = pod["metadata"], pod["status"]
+        if status.get("phase") not in _TERMINAL:
+            status["phase"] = "Failed"
+        condition = {"type": "DisruptionTarget", "status": "True", "reason": "DeletionByPodGC"}
+        condition.update(message="PodGC: node no longer exists", lastTransitionTime=now_rfc3339())
+        status["conditions"] = [
+            *(c for c in status.get("conditions") or [] if c.get("type") != "DisruptionTarget"),
+            condition,
+        ]
+        meta.setdefault("deletionTimestamp", now_rfc3339())
+        meta["deletionGracePeriodSeconds"] = 0
+        self.store.touch(pod)
+        self._forget(pod)
+        self.store.remove("pods", meta["namespace"], meta["name"])
+
     def _forget(self, pod: dict) -> None:
         """The pod is gone: its log closed, its state and sandbox released."""
         state = self.containers.pop(pod["metadata"]["uid"], None)
@@ -264,11 +321,47 @@ class Kubelet:
         state.proc.wait()
         self._release_namespaces(state)
 
+    def _kill_pod(self, pod: dict, state: _Container) -> None:
+        """SIGKILL every process of the pod at once: its containers' and its sandbox's."""
+        holder = self.sandboxes.pop(pod["metadata"]["uid"], None)
+        if state.channel is not None:
+            self._note_namespace(state)
+        if state.proc is not None:
+            _kill_group(state.proc, signal.SIGKILL)
+        _kill_namespaces((state.namespaces | {state.sandbox}) - {self.own_namespace, ""})
+        if state.proc is not None:
+            state.proc.wait()
+        self._release_namespaces(state)
+        if holder is not None:
+            holder.kill()
+            holder.wait()
+
     def _release_sandbox(self, uid: str) -> None:
         holder = self.sandboxes.pop(uid, None)
         if holder is not None:
             holder.kill()
             holder.wait()
+
+    def _schedule(self, pod: dict) -> bool:
+        """Bind the pod to the Ready node that runs the fewest pods (the first by name among
+        equals); False (and the pod's condition and event) when there is none.
+        """
+        if pod["spec"].get("nodeName"):
+            return True
+        nodes = [n["metadata"]["name"] for n in self.store.items("nodes")]
+        if not nodes:
+            self._unschedulable(pod, "Unschedulable", "0/0 nodes are available: no nodes available to schedule pods.")
+            return False
+        load = {n: 0 for n in nodes}
+        for other in self.store.items("pods"):
+            bound = other["spec"].get("nodeName")
+            if bound in load and other["status"].get("phase") not in _TERMINAL:
+                load[bound] += 1
+        node = min(nodes, key=load.__getitem__)
+        pod["spec"]["nodeName"] = node
+        meta = pod["metadata"]
+        self._event(pod, "Normal", "Scheduled", f"Successfully assigned {meta['namespace']}/{meta['name']} to {node}")
+        return True
 
     def _sandbox(self, pod: dict, memory: dict[str, int | None]) -> str:
         """The pod's mount namespace (``/proc/PID/ns/mnt`` of a process that only holds it),
@@ -319,6 +412,8 @@ class Kubelet:
         except ApiError as e:  # a missing claim or secret: the pod waits, as it would on a node
             self._unschedulable(pod, e.reason, e.message)
             return
+        if not self._schedule(pod):
+            return
         launch["sandbox"] = self._sandbox(pod, launch.pop("memory"))
         state.sandbox = os.readlink(launch["sandbox"])
         pod_dir = self.pod_dir(pod)
@@ -355,14 +450,6 @@ class Kubelet:
         ]
         self.store.touch(pod)
         name, image = container["name"], container.get("image", "")
-        if not restarts:
-            spec["nodeName"] = HOST
-            self._event(
-                pod,
-                "Normal",
-                "Scheduled",
-                f"Successfully assigned {pod['metadata']['namespace']}/{pod['metadata']['name']} to {HOST}",
-            )
         self._event(pod, "Normal", "Pulled", f'Container image "{image}" already present on machine', container=name)
         self._event(pod, "Normal", "Created", f"Created container: {name}", container=name)
         self._event(pod, "Normal", "Started", f"Started container {name}", container=name)
@@ -378,7 +465,8 @@ class Kubelet:
         status["conditions"] = [condition]
         self.store.touch(pod)
         if reason == "Unschedulable":
-            text = message if message.startswith("0/") else f"0/1 nodes are available: {message}."
+            nodes = len(self.store.items("nodes"))
+            text = message if message.startswith("0/") else f"0/{nodes} nodes are available: {message}."
             self._event(pod, "Warning", "FailedScheduling", text, component="default-scheduler")
         else:
             self._event(pod, "Warning", "FailedMount" if reason == "FailedMount" else "Failed", message)
@@ -387,13 +475,15 @@ class Kubelet:
         self, pod: dict, kind: str, reason: str, message: str, *, container: str = "", component: str = "kubelet"
     ) -> None:
         field_path = f"spec.containers{{{container}}}" if container else ""
+        component = component if reason != "Scheduled" else "default-scheduler"
         self.events.record(
             pod,
             kind,
             reason,
             message,
-            component=component if reason != "Scheduled" else "default-scheduler",
+            component=component,
             field_path=field_path,
+            host=pod["spec"].get("nodeName", "") if component == "kubelet" else "",
         )
 
     def pod_dir(self, pod: dict) -> Path:
@@ -598,3 +688,44 @@ def _comm(pid: int) -> str | None:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return None
+
+
+def _node_object(name: str) -> dict:
+    """A Ready Node as a kubelet registers it (this machine's OS, kernel and architecture)."""
+    os_image = "Linux"
+    with contextlib.suppress(OSError):
+        release = dict(line.split("=", 1) for line in Path("/etc/os-release").read_text().splitlines() if "=" in line)
+        os_image = release.get("PRETTY_NAME", os_image).strip('"')
+    arch = {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    capacity = {"cpu": str(os.cpu_count() or 1), "memory": f"{memory // 1024}Ki", "pods": "110"}
+    now = now_rfc3339()
+    labels = {
+        "kubernetes.io/hostname": name,
+        "kubernetes.io/os": "linux",
+        "kubernetes.io/arch": arch,
+        "beta.kubernetes.io/os": "linux",
+        "beta.kubernetes.io/arch": arch,
+    }
+    ready = {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet is posting ready status"}
+    ready.update(lastHeartbeatTime=now, lastTransitionTime=now)
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "uid": str(uuid.uuid4()), "creationTimestamp": now, "labels": labels},
+        "spec": {},
+        "status": {
+            "conditions": [ready],
+            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": name}],
+            "capacity": dict(capacity),
+            "allocatable": dict(capacity),
+            "nodeInfo": {
+                "kubeletVersion": KUBELET_VERSION,
+                "containerRuntimeVersion": "emulated://1.0",
+                "osImage": os_image,
+                "kernelVersion": os.uname().release,
+                "operatingSystem": "linux",
+                "architecture": arch,
+            },
+        },
+    }

@@ -141,10 +141,11 @@ class Controllers:
         backoff_s: float,
         *,
         kubelet: bool = True,
+        nodes: int = 4,
     ) -> None:
         self.store = store
         self.events = Recorder(store)
-        self.kubelet = Kubelet(store, root, claims, secrets, backoff_s, self.events, enabled=kubelet)
+        self.kubelet = Kubelet(store, root, claims, secrets, backoff_s, self.events, enabled=kubelet, nodes=nodes)
         self.recreated: dict[str, int] = {}  # by job uid: pods the operator recreated (ExitCode)
         self.failed: set[tuple[str, str]] = set()  # the steps that raised, by object: printed once
         self.stop = threading.Event()
@@ -170,6 +171,7 @@ class Controllers:
                 for job in self.store.items(PLURAL):
                     self._guarded(self._reconcile_job, job)
                 self._guarded(self._collect_garbage)
+                self._guarded(self.kubelet.sync_nodes)
                 for pod in self.store.items("pods"):
                     self._guarded(self.kubelet.sync_pod, pod)
             time.sleep(0.1)

@@ -1,6 +1,7 @@
 """What ``kubectl get`` prints: the server's Table responses (``Accept: ...;as=Table``), with the
 CRD's printer columns for PyTorchJobs, the usual pod columns (READY, STATUS, RESTARTS, AGE; IP
-and NODE with ``-o wide``) and the event columns, ages as the server words them.
+and NODE with ``-o wide``), the node columns (STATUS, ROLES, AGE, VERSION; the addresses and
+the node's software with ``-o wide``) and the event columns, ages as the server words them.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def table(
         columns, cells = _POD_COLUMNS, _pod_cells
     elif resource == "events":
         columns, cells = _EVENT_COLUMNS, _event_cells
+    elif resource == "nodes":
+        columns, cells = _NODE_COLUMNS, _node_cells
     elif resource == PLURAL:
         columns = [_NAME] + [
             {
@@ -206,6 +209,52 @@ def _pod_cells(pod: dict) -> list[Any]:
         node,
         "<none>",
         "<none>",
+    ]
+
+
+# ------------------------------------------------------------------ nodes
+_NODE_COLUMNS = [
+    _NAME,
+    _column("Status", "The status of the node"),
+    _column("Roles", "The roles of the node"),
+    _column("Age", "CreationTimestamp is a timestamp representing the server time when this object was created."),
+    _column("Version", "Kubelet Version reported by the node."),
+    _column("Internal-IP", "List of internal IPs in the cluster.", 1),
+    _column("External-IP", "List of external IPs in the cluster.", 1),
+    _column("OS-Image", "OS Image reported by the node from /etc/os-release (e.g. Debian GNU/Linux 7 (wheezy)).", 1),
+    _column("Kernel-Version", "Kernel Version reported by the node from 'uname -r' (e.g. 3.16.0-0.bpo.4-amd64).", 1),
+    _column(
+        "Container-Runtime",
+        "Container Runtime Version reported by the node through runtime remote API (e.g. containerd://1.4.2).",
+        1,
+    ),
+]
+
+
+def _node_cells(node: dict) -> list[Any]:
+    status, meta = node.get("status") or {}, node["metadata"]
+    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
+    state = "Ready" if ready and ready.get("status") == "True" else "NotReady" if ready else "Unknown"
+    if (node.get("spec") or {}).get("unschedulable"):
+        state += ",SchedulingDisabled"
+    prefix = "node-role.kubernetes.io/"
+    roles = sorted(k[len(prefix) :] for k in meta.get("labels") or {} if k.startswith(prefix))
+
+    def addresses(kind: str) -> str:
+        return ",".join(a["address"] for a in status.get("addresses") or [] if a.get("type") == kind) or "<none>"
+
+    info = status.get("nodeInfo") or {}
+    return [
+        meta["name"],
+        state,
+        ",".join(roles) or "<none>",
+        age(meta.get("creationTimestamp")),
+        info.get("kubeletVersion", ""),
+        addresses("InternalIP"),
+        addresses("ExternalIP"),
+        info.get("osImage") or "<unknown>",
+        info.get("kernelVersion") or "<unknown>",
+        info.get("containerRuntimeVersion") or "<unknown>",
     ]
 
 
