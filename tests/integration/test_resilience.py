@@ -162,6 +162,7 @@ def test_every_recovery_and_save_has_its_timeline(faulted_run: FaultedRun) -> No
         "handoff",
         "copy",
         "copy_wait",
+        "digest",
         "background",
         "agree",
         "publish",

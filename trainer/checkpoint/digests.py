@@ -89,12 +89,18 @@ def shard_records(state_dict: dict) -> list[dict]:
 def write_digests(state_dict: dict, directory: Path, rank: int) -> float:
     """Digest this rank's ``state_dict`` and record it durably in ``directory`` (before the rank's
     checksums are made, which then cover it); returns the seconds it took (``digest_s`` in the file).
+    A ``directory`` that is gone (an abandoned save's, removed by the next attempt) gets nothing:
+    that save's write fails on its own and is never published.
     """
     started = time.perf_counter()
     records = shard_records(state_dict)
     seconds = time.perf_counter() - started
     body = {"rank": rank, "algorithm": ALGORITHM, "digest_s": seconds, "shards": records}
-    atomic_write_text(Path(directory) / digests_file(rank), json.dumps(body))
+    try:
+        atomic_write_text(Path(directory) / digests_file(rank), json.dumps(body))
+    except FileNotFoundError:
+        if Path(directory).is_dir():
+            raise
     return seconds
 
 
