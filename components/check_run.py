@@ -1,3 +1,5 @@
+from typing import NamedTuple
+
 from kfp import dsl
 
 from components import IMAGE
@@ -41,20 +43,24 @@ def check_run(
     registered_model: str,
     pipeline_job: str,
     pipeline_job_id: str,
-) -> str:
-    """Refuse a run that cannot work before anything starts, and name the training run.
+) -> NamedTuple("CheckedRun", [("training_run", str), ("run_spec", str)]):
+    """Refuse a run that cannot work before anything starts, name the training run, and hand on
+    the checked parameters as one run spec.
 
     Runs started from the Kubeflow UI never pass the CLI's checks: this step makes them. The
     tracking URI may come from the ``MLFLOW_TRACKING_URI`` key of the MLflow secret (an env
     variable of this pod). Each parameter is described on the pipeline.
 
     Returns:
-        The training run's name: ``training_run``, or one derived from this KFP run.
+        training_run: the training run's name: ``training_run``, or one derived from this KFP run.
+        run_spec: the checked run spec (JSON, ``components.runs.run_spec``): every parameter, the
+            KFP run's, and the training run's name. The later steps read it instead of taking each
+            parameter again.
     """
     params = dict(locals())  # the parameters, taken before anything else is defined here
     import os
 
-    from components.runs import CHECK_STEP, check_parameters, recorded
+    from components.runs import CHECK_STEP, check_parameters, recorded, run_spec
     from trainer.launch import WORKSPACE_ENV
     from trainer.launch.spec import resolve_run_name
 
@@ -67,4 +73,4 @@ def check_run(
             params, name, tracking_uri_env=env.get("MLFLOW_TRACKING_URI", ""), steps_run_here=here, model_check="all"
         )
     print(f"training run {name}: parameters checked")
-    return name
+    return name, run_spec(params, name)

@@ -118,6 +118,19 @@ def check_parameters(
             check_model(params["model"])
 
 
+def run_spec(params: Mapping[str, Any], name: str) -> str:
+    """The checked run spec the check step hands on (JSON): every parameter it checked, the KFP
+    run's job name and id, and ``training_run`` as the name it resolved. The later steps read their
+    parameters from it (``read_run_spec``) instead of taking each one again.
+    """
+    return json.dumps({**params, "training_run": name}, sort_keys=True)
+
+
+def read_run_spec(spec: str) -> dict[str, Any]:
+    """The parameters of a run spec ``run_spec`` wrote."""
+    return json.loads(spec)
+
+
 def _model_checked_here(model: str, model_check: str) -> bool:
     """Whether ``check_parameters`` checks ``model`` (see its ``model_check``)."""
     from trainer.models import MODEL_SIZES

@@ -8,37 +8,7 @@ from components import IMAGE
 def train(
     data: Input[Dataset],
     run: Output[Artifact],
-    steps: int,
-    ckpt_every: int,
-    ckpt_mode: str,
-    local_ckpt_every: int,
-    local_replicas: int,
-    nnodes: int,
-    nproc_per_node: int,
-    max_restarts: int,
-    inprocess_restart: bool,
-    fault: str,
-    model: str,
-    seq_len: int,
-    grad_accum_steps: int,
-    activation_checkpointing: bool,
-    seed: int,
-    hang_timeout: float,
-    grace_period: float,
-    system_metrics_every: float,
-    checkpoint_uri: str,
-    backend: str,
-    training_run: str,
-    image: str,
-    job_namespace: str,
-    pvc_name: str,
-    gpus: bool,
-    cpu: str,
-    memory: str,
-    tracking_uri: str,
-    experiment: str,
-    pipeline_job: str,
-    pipeline_job_id: str,
+    run_spec: str,
 ) -> None:
     """Run resilient FSDP training: one worker command (ft_launcher + trainer) per replica.
 
@@ -53,48 +23,25 @@ def train(
         data: the prepared data set.
         run: where the run lives on the shared volume and its latest checkpoint (with its
             manifest): a reference, not a copy.
-        steps: total optimizer steps.
-        ckpt_every: checkpoint interval in steps.
-        ckpt_mode: ``async`` or ``sync``.
-        local_ckpt_every: local snapshot interval in steps, to each node's memory (0 off; -1: every step up to
-            model small).
-        local_replicas: peer copies of each rank's local snapshots on other nodes (-1: 1 when nnodes > 1 and the
-            tier is on).
-        nnodes: replicas (PyTorchJob Worker pods).
-        nproc_per_node: worker processes per replica.
-        max_restarts: in-job restarts ft_launcher may do.
-        inprocess_restart: recover soft faults in-process.
-        fault: fault schedule ``KIND@STEP[:RANK],...``.
-        model: a built-in size, ``hf:PATH`` or ``py:package.module:factory``.
-        seq_len: tokens per sequence (0: the model's default).
-        grad_accum_steps: micro-batches per optimizer step.
-        activation_checkpointing: recompute each FSDP unit's activations in backward.
-        seed: seed.
-        hang_timeout: seconds without a heartbeat before a rank counts as hung.
-        grace_period: seconds a preempted worker has to checkpoint and exit (the pods' grace period is this + 15).
-        system_metrics_every: seconds between each node's system samples (0 off).
-        checkpoint_uri: remote location durable checkpoints are mirrored to ("" none).
-        backend: ``local`` or ``kubernetes``.
-        training_run: the training run's name (the check step's output): the PyTorchJob and the
-            run's folder on the shared volume.
-        image: worker image (kubernetes).
-        job_namespace: job namespace (kubernetes; "" the step's own).
-        pvc_name: the shared volume's claim (kubernetes).
-        gpus: one GPU per process (kubernetes).
-        cpu: CPU per worker (kubernetes).
-        memory: memory per worker (kubernetes).
-        tracking_uri: MLflow tracking URI ("" = ``MLFLOW_TRACKING_URI``, else the local store).
-        experiment: MLflow experiment.
-        pipeline_job: the KFP run's job name (names the MLflow run).
-        pipeline_job_id: the KFP run (tags the failure record).
+        run_spec: the checked run spec the check step hands on (``components.runs.run_spec``): every
+            pipeline parameter, the KFP run's job name and id, and ``training_run``, the name the
+            check step resolved (the PyTorchJob and the run's folder on the shared volume). Each
+            parameter is described on the pipeline.
     """
-    params = dict(locals())  # the parameters, taken before anything else is defined here
     import dataclasses
     import json
     import signal
     from pathlib import Path
 
-    from components.runs import TRAIN_STEP, check_training_completed, live_tracking, recorded, run_descriptor, run_root
+    from components.runs import (
+        TRAIN_STEP,
+        check_training_completed,
+        live_tracking,
+        read_run_spec,
+        recorded,
+        run_descriptor,
+        run_root,
+    )
     from trainer.errors import ParameterError, as_pipeline_parameters
     from trainer.fsutil import sync_tree
     from trainer.launch.local import (
@@ -110,17 +57,14 @@ def train(
         raise KeyboardInterrupt  # KFP cancels a step with SIGTERM: stop the processes / delete the job
 
     signal.signal(signal.SIGTERM, cancelled)
+    params = read_run_spec(run_spec)
+    training_run, backend = params["training_run"], params["backend"]
     tracking = {
-        "tracking_uri": tracking_uri,
-        "experiment": experiment,
-        "training_run": training_run,
-        "backend": backend,
-        "pipeline_job": pipeline_job,
-        "pipeline_job_id": pipeline_job_id,
-        "image": image,
+        k: params[k]
+        for k in ("tracking_uri", "experiment", "training_run", "backend", "pipeline_job", "pipeline_job_id", "image")
     }
     with (
-        recorded(training_run, pipeline_job_id, TRAIN_STEP),
+        recorded(training_run, params["pipeline_job_id"], TRAIN_STEP),
         as_pipeline_parameters(),
     ):  # a refusal names the parameter, not the flag
         if backend not in BACKENDS:

@@ -182,6 +182,8 @@ def resilient_fsdp_training(
         registered_model: Register the exported model in the MLflow model registry under this name (a new version
             per export; needs export_uri; "" = not registered).
     """
+    # Every parameter, once: the check step checks them and hands the later steps one run spec.
+    run_parameters = dict(locals())
     kfp_run = {"pipeline_job": dsl.PIPELINE_JOB_NAME_PLACEHOLDER, "pipeline_job_id": dsl.PIPELINE_JOB_ID_PLACEHOLDER}
     logged = log_to_mlflow(
         training_run=training_run,
@@ -192,81 +194,13 @@ def resilient_fsdp_training(
         **kfp_run,
     ).set_display_name("log to MLflow")
     with dsl.ExitHandler(logged, name="run"):
-        checked = check_run(
-            steps=steps,
-            ckpt_every=ckpt_every,
-            ckpt_mode=ckpt_mode,
-            local_ckpt_every=local_ckpt_every,
-            local_replicas=local_replicas,
-            nnodes=nnodes,
-            nproc_per_node=nproc_per_node,
-            max_restarts=max_restarts,
-            inprocess_restart=inprocess_restart,
-            fault=fault,
-            model=model,
-            seed=seed,
-            seq_len=seq_len,
-            grad_accum_steps=grad_accum_steps,
-            activation_checkpointing=activation_checkpointing,
-            hang_timeout=hang_timeout,
-            grace_period=grace_period,
-            system_metrics_every=system_metrics_every,
-            backend=backend,
-            training_run=training_run,
-            image=image,
-            job_namespace=job_namespace,
-            gpus=gpus,
-            cpu=cpu,
-            memory=memory,
-            source=source,
-            tokenizer=tokenizer,
-            text_field=text_field,
-            pvc_name=pvc_name,
-            checkpoint_uri=checkpoint_uri,
-            tracking_uri=tracking_uri,
-            experiment=experiment,
-            export_uri=export_uri,
-            registered_model=registered_model,
-            **kfp_run,
-        ).set_display_name("check parameters")
-        name = checked.output
+        checked = check_run(**run_parameters, **kfp_run).set_display_name("check parameters")
+        name = checked.outputs["training_run"]
         job_id = kfp_run["pipeline_job_id"]
         data = prepare_data(
             source=source, tokenizer=tokenizer, text_field=text_field, training_run=name, pipeline_job_id=job_id
         ).set_display_name("prepare data")
-        trained = train(
-            data=data.outputs["data"],
-            steps=steps,
-            ckpt_every=ckpt_every,
-            ckpt_mode=ckpt_mode,
-            local_ckpt_every=local_ckpt_every,
-            local_replicas=local_replicas,
-            nnodes=nnodes,
-            nproc_per_node=nproc_per_node,
-            max_restarts=max_restarts,
-            inprocess_restart=inprocess_restart,
-            fault=fault,
-            model=model,
-            seq_len=seq_len,
-            grad_accum_steps=grad_accum_steps,
-            activation_checkpointing=activation_checkpointing,
-            seed=seed,
-            hang_timeout=hang_timeout,
-            grace_period=grace_period,
-            system_metrics_every=system_metrics_every,
-            checkpoint_uri=checkpoint_uri,
-            backend=backend,
-            training_run=name,
-            image=image,
-            job_namespace=job_namespace,
-            pvc_name=pvc_name,
-            gpus=gpus,
-            cpu=cpu,
-            memory=memory,
-            tracking_uri=tracking_uri,
-            experiment=experiment,
-            **kfp_run,
-        ).set_display_name("train")
+        trained = train(data=data.outputs["data"], run_spec=checked.outputs["run_spec"]).set_display_name("train")
         checked_ckpt = validate_checkpoint(
             run=trained.outputs["run"], data=data.outputs["data"], training_run=name, pipeline_job_id=job_id
         ).set_display_name("validate checkpoint")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from kfp.dsl import Artifact, Dataset
 
-from components.runs import TRAIN_STEP
+from components.runs import TRAIN_STEP, read_run_spec, run_spec
 from components.train import train
 from pipelines.resilient_fsdp import parameter_defaults
 from tests.conftest import MlflowServer, as_unprivileged
@@ -106,12 +106,11 @@ def test_train_step_two_replicas_one_rendezvous(
     The run dir lives on the (local stand-in for the) shared volume under the run's name.
     """
     monkeypatch.setenv(WORKSPACE_ENV, str(tmp_path / "workspace"))
-    params = {k: v for k, v in parameter_defaults().items() if k in train.component_spec.inputs}
+    params = {**parameter_defaults(), "pipeline_job": "resilient-fsdp-training-x7k2p", "pipeline_job_id": "kfp-1"}
     params.update(steps=10, ckpt_every=5, nnodes=2, nproc_per_node=1, fault="exception@4:1", backend="local")
-    params.update(training_run="two-replicas", pipeline_job="resilient-fsdp-training-x7k2p", pipeline_job_id="kfp-1")
     params.update(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")  # MLflow follows the step's job
     run = Artifact(uri=str(tmp_path / "run"))
-    train.python_func(data=Dataset(uri=str(data_dir)), run=run, **params)
+    train.python_func(data=Dataset(uri=str(data_dir)), run=run, run_spec=run_spec(params, "two-replicas"))
     run_dir = tmp_path / "workspace" / "two-replicas" / "run"
     joined = [
         re.findall(
@@ -143,14 +142,18 @@ def test_a_preempted_local_job_fails_the_train_step_and_is_logged_failed(
 
     monkeypatch.setenv(WORKSPACE_ENV, str(tmp_path / "workspace"))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    params = {k: v for k, v in parameter_defaults().items() if k in train.component_spec.inputs}
+    params = {**parameter_defaults(), "training_run": "preempted"}
     params.update(
         steps=12, ckpt_every=4, nnodes=1, nproc_per_node=2, fault="sigterm@6:0", backend="local", tracking_uri=uri
     )
-    params.update(training_run="preempted", pipeline_job="resilient-fsdp-training-p1", pipeline_job_id="kfp-p1")
+    params.update(pipeline_job="resilient-fsdp-training-p1", pipeline_job_id="kfp-p1")
     message = "preempted at step 6; start a run with training_run=preempted to resume"
     with pytest.raises(RuntimeError, match=f"^{message}$"):
-        train.python_func(data=Dataset(uri=str(data_dir)), run=Artifact(uri=str(tmp_path / "run")), **params)
+        train.python_func(
+            data=Dataset(uri=str(data_dir)),
+            run=Artifact(uri=str(tmp_path / "run")),
+            run_spec=run_spec(params, "preempted"),
+        )
     assert not (tmp_path / "run").exists(), "nothing handed on to validation"
     logged = log_pipeline_run(
         state="FAILED",
@@ -174,7 +177,9 @@ def test_a_preempted_local_job_fails_the_train_step_and_is_logged_failed(
     assert message in logged.markdown
 
     params.update(pipeline_job="resilient-fsdp-training-p2", pipeline_job_id="kfp-p2")  # the fault fired once
-    train.python_func(data=Dataset(uri=str(data_dir)), run=Artifact(uri=str(tmp_path / "run")), **params)
+    train.python_func(
+        data=Dataset(uri=str(data_dir)), run=Artifact(uri=str(tmp_path / "run")), run_spec=run_spec(params, "preempted")
+    )
     run_dir = tmp_path / "workspace" / "preempted" / "run"
     assert [s.resumed_from_step for s in select(read_events(run_dir), RunStart)] == [0, 6]
 
@@ -251,8 +256,9 @@ def test_a_ui_run_without_a_tracking_uri_is_refused_by_the_first_step_and_logged
     with pytest.raises(ParameterError, match="^tracking_uri: a kubernetes run needs an MLflow tracking server"):
         check_run.python_func(**params)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.team-a:5000")  # the rfsdp-mlflow secret's key
-    name = check_run.python_func(**params)
+    name, spec = check_run.python_func(**params)
     assert name == resolve_run_name("", params["pipeline_job"], "kfp-1")
+    assert read_run_spec(spec) == {**params, "training_run": name}  # what the later steps read
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     with pytest.raises(ParameterError, match="^fault: exception@5:0 and sigkill@5:1 are both at step 5"):

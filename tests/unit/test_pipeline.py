@@ -23,7 +23,7 @@ from kfp.dsl import Artifact, Dataset
 from kfp.kubernetes import kubernetes_executor_config_pb2
 from kfp.pipeline_spec import pipeline_spec_pb2
 
-from components.runs import FAILURE_FILE, TRAIN_STEP
+from components.runs import FAILURE_FILE, TRAIN_STEP, run_spec
 from components.train import train
 from pipelines.resilient_fsdp import PIPELINE_NAME, parameter_defaults
 from pipelines.run import compile_pipeline, submit
@@ -138,9 +138,14 @@ def test_the_steps_run_inside_an_exit_handler_that_logs_every_run(compiled: list
         assert task_inputs["training_run"].component_input_parameter.endswith("training_run")
         assert task_inputs["pipeline_job"].runtime_value.constant.string_value == dsl.PIPELINE_JOB_NAME_PLACEHOLDER
         assert task_inputs["pipeline_job_id"].runtime_value.constant.string_value == dsl.PIPELINE_JOB_ID_PLACEHOLDER
-    for step in ("prepare-data", "train", "validate-checkpoint", "export-model"):  # the name the check step derived
+    for step in ("prepare-data", "validate-checkpoint", "export-model"):  # the name the check step derived
         named = body[step].inputs.parameters["training_run"].task_output_parameter
-        assert (named.producer_task, named.output_parameter_key) == ("check-run", "Output")
+        assert (named.producer_task, named.output_parameter_key) == ("check-run", "training_run")
+    # The check step takes every parameter once; the train step takes them from its run spec (issue 36).
+    assert set(spec.root.input_definitions.parameters) <= set(check)
+    assert not {"steps", "model", "backend", "training_run"} & set(body["train"].inputs.parameters)
+    handed = body["train"].inputs.parameters["run_spec"].task_output_parameter
+    assert (handed.producer_task, handed.output_parameter_key) == ("check-run", "run_spec")
 
 
 def test_the_headline_is_the_one_metrics_artifact(compiled: list[dict]) -> None:
@@ -279,14 +284,13 @@ def test_train_step_rejects_bad_parameters_before_any_process(tmp_path: Path, mo
     """A run started from the Kubeflow UI bypasses the CLI: the step itself checks first, and
     records its refusal for the exit handler."""
     monkeypatch.setenv(WORKSPACE_ENV, str(tmp_path / "workspace"))
-    params = {k: v for k, v in parameter_defaults().items() if k in train.component_spec.inputs}
-    params.update(training_run="ui-run", pipeline_job="resilient-fsdp-training-x7k2p", pipeline_job_id="kfp-1")
+    params = {**parameter_defaults(), "pipeline_job": "resilient-fsdp-training-x7k2p", "pipeline_job_id": "kfp-1"}
     run = Artifact(uri=str(tmp_path / "run"))
     data = Dataset(uri=str(tmp_path / "data"))
     with pytest.raises(ValueError, match="fault: step 99 in 'exception@99' is outside the run"):
-        train.python_func(data=data, run=run, **{**params, "fault": "exception@99"})
+        train.python_func(data=data, run=run, run_spec=run_spec({**params, "fault": "exception@99"}, "ui-run"))
     with pytest.raises(ValueError, match="backend: 'slurm'"):
-        train.python_func(data=data, run=run, **{**params, "backend": "slurm"})
+        train.python_func(data=data, run=run, run_spec=run_spec({**params, "backend": "slurm"}, "ui-run"))
     assert not (tmp_path / "run").exists()
     record = json.loads((tmp_path / "workspace" / "ui-run" / FAILURE_FILE).read_text())
     assert record == {
