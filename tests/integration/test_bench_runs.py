@@ -92,13 +92,14 @@ def test_quick_benchmark_writes_json(name: str, tmp_path: Path) -> None:
             "handoff",
             "copy",
             "copy_wait",
+            "digest",
             "background",
             "agree",
             "publish",
         ]
         assert (
             list(ours["phases"]) == timeline
-        )  # copy: beside the next step, which waits for it before its update (copy_wait)
+        )  # copy and digest: beside the next step, which waits for the copy before its update (copy_wait)
         assert next(iter(ours["warmup_phases"])) == "prepare"  # the writer's warm-up, after the first step
         stalled = sum(
             ours["warmup_phases"][k] for k in ("wait", "collect", "rank_state", "stage", "plan", "handoff", "copy_wait")
