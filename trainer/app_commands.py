@@ -115,6 +115,12 @@ def add_app_commands(sub: argparse._SubParsersAction) -> None:
         "fewer: durable saves as dear as at scale)",
     )
     p.add_argument(
+        "--audit",
+        action="store_true",
+        help="soak only: keep every checkpoint each run publishes and audit it against its ranks' shard digests "
+        "(saves audited, mismatches, the digests' cost per save)",
+    )
+    p.add_argument(
         "--model",
         metavar="MODEL",
         help="checkpoint and overhead only: a --model of yours (hf:PATH, py:...) instead of the built-in sizes",
@@ -220,6 +226,10 @@ def _bench(args: argparse.Namespace) -> int:
             soak[name] = check(value)
         except ValueError as e:
             raise ValueError(f"{flag}: {e}") from None
+    if args.audit:
+        if "soak" not in names:
+            raise ValueError(f"--audit applies to the soak benchmark only, not to {args.which}")
+        soak["audit"] = True
     options = {"soak": soak} if soak else {}
     if args.model:
         if not set(names) <= {"checkpoint", "overhead"}:

@@ -33,6 +33,7 @@ def test_soak_schedule_cycles_kinds_and_ranks() -> None:
         (("soak", "--ckpts-per-fault", "0"), "--ckpts-per-fault: must be a whole number >= 1, got 0"),
         (("soak", "--ckpts-per-fault", "2.5"), "argument --ckpts-per-fault: invalid int value"),
         (("recovery", "--ckpts-per-fault", "2"), "--ckpts-per-fault applies to the soak benchmark only"),
+        (("goodput", "--audit"), "--audit applies to the soak benchmark only"),
     ],
 )
 def test_bad_fault_every_is_refused(
