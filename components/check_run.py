@@ -1,12 +1,12 @@
-from typing import NamedTuple
-
 from kfp import dsl
+from kfp.dsl import Artifact, Output
 
 from components import IMAGE
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
 def check_run(
+    run_spec: Output[Artifact],
     steps: int,
     ckpt_every: int,
     ckpt_mode: str,
@@ -43,7 +43,7 @@ def check_run(
     registered_model: str,
     pipeline_job: str,
     pipeline_job_id: str,
-) -> NamedTuple("CheckedRun", [("training_run", str), ("run_spec", str)]):
+) -> str:
     """Refuse a run that cannot work before anything starts, name the training run, and hand on
     the checked parameters as one run spec.
 
@@ -51,16 +51,18 @@ def check_run(
     tracking URI may come from the ``MLFLOW_TRACKING_URI`` key of the MLflow secret (an env
     variable of this pod). Each parameter is described on the pipeline.
 
+    It writes the checked run spec to ``run_spec`` (a JSON file, ``components.runs.write_run_spec``):
+    every parameter, the KFP run's, and the training run's name; the later steps read it instead of
+    taking each parameter again.
+
     Returns:
-        training_run: the training run's name: ``training_run``, or one derived from this KFP run.
-        run_spec: the checked run spec (JSON, ``components.runs.run_spec``): every parameter, the
-            KFP run's, and the training run's name. The later steps read it instead of taking each
-            parameter again.
+        The training run's name: ``training_run``, or one derived from this KFP run.
     """
     params = dict(locals())  # the parameters, taken before anything else is defined here
+    del params["run_spec"]  # (the output)
     import os
 
-    from components.runs import CHECK_STEP, check_parameters, recorded, run_spec
+    from components.runs import CHECK_STEP, check_parameters, recorded, write_run_spec
     from trainer.launch import WORKSPACE_ENV
     from trainer.launch.spec import resolve_run_name
 
@@ -72,5 +74,6 @@ def check_run(
         check_parameters(
             params, name, tracking_uri_env=env.get("MLFLOW_TRACKING_URI", ""), steps_run_here=here, model_check="all"
         )
+        write_run_spec(run_spec.path, params, name)
     print(f"training run {name}: parameters checked")
-    return name, run_spec(params, name)
+    return name

@@ -118,17 +118,18 @@ def check_parameters(
             check_model(params["model"])
 
 
-def run_spec(params: Mapping[str, Any], name: str) -> str:
-    """The checked run spec the check step hands on (JSON): every parameter it checked, the KFP
-    run's job name and id, and ``training_run`` as the name it resolved. The later steps read their
-    parameters from it (``read_run_spec``) instead of taking each one again.
+def write_run_spec(path: str | Path, params: Mapping[str, Any], name: str) -> None:
+    """Write the checked run spec the check step hands on (a JSON file, the step's ``run_spec``
+    artifact): every parameter it checked, the KFP run's job name and id, and ``training_run`` as
+    the name it resolved. The later steps read their parameters from it (``read_run_spec``) instead
+    of taking each one again. An artifact, not a string parameter: KFP logs a parameter on one line.
     """
-    return json.dumps({**params, "training_run": name}, sort_keys=True)
+    Path(path).write_text(json.dumps({**params, "training_run": name}, indent=1, sort_keys=True) + "\n")
 
 
-def read_run_spec(spec: str) -> dict[str, Any]:
-    """The parameters of a run spec ``run_spec`` wrote."""
-    return json.loads(spec)
+def read_run_spec(path: str | Path) -> dict[str, Any]:
+    """The parameters of a run spec ``write_run_spec`` wrote."""
+    return json.loads(Path(path).read_text())
 
 
 def _model_checked_here(model: str, model_check: str) -> bool:

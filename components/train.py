@@ -8,7 +8,7 @@ from components import IMAGE
 def train(
     data: Input[Dataset],
     run: Output[Artifact],
-    run_spec: str,
+    run_spec: Input[Artifact],
 ) -> None:
     """Run resilient FSDP training: one worker command (ft_launcher + trainer) per replica.
 
@@ -23,7 +23,7 @@ def train(
         data: the prepared data set.
         run: where the run lives on the shared volume and its latest checkpoint (with its
             manifest): a reference, not a copy.
-        run_spec: the checked run spec the check step hands on (``components.runs.run_spec``): every
+        run_spec: the checked run spec the check step hands on (``components.runs.write_run_spec``): every
             pipeline parameter, the KFP run's job name and id, and ``training_run``, the name the
             check step resolved (the PyTorchJob and the run's folder on the shared volume). Each
             parameter is described on the pipeline.
@@ -57,7 +57,7 @@ def train(
         raise KeyboardInterrupt  # KFP cancels a step with SIGTERM: stop the processes / delete the job
 
     signal.signal(signal.SIGTERM, cancelled)
-    params = read_run_spec(run_spec)
+    params = read_run_spec(run_spec.path)
     training_run, backend = params["training_run"], params["backend"]
     tracking = {
         k: params[k]

@@ -195,7 +195,7 @@ def resilient_fsdp_training(
     ).set_display_name("log to MLflow")
     with dsl.ExitHandler(logged, name="run"):
         checked = check_run(**run_parameters, **kfp_run).set_display_name("check parameters")
-        name = checked.outputs["training_run"]
+        name = checked.outputs["Output"]
         job_id = kfp_run["pipeline_job_id"]
         data = prepare_data(
             source=source, tokenizer=tokenizer, text_field=text_field, training_run=name, pipeline_job_id=job_id

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from kfp.dsl import Artifact, Dataset
 
-from components.runs import TRAIN_STEP, read_run_spec, run_spec
+from components.runs import TRAIN_STEP, read_run_spec, write_run_spec
 from components.train import train
 from pipelines.resilient_fsdp import parameter_defaults
 from tests.conftest import MlflowServer, as_unprivileged
@@ -98,6 +98,12 @@ def test_submit_to_a_host_that_is_not_kfp_is_one_line(tmp_path: Path, kind: str)
 
 
 # --------------------------------------------------------------------- end to end
+def _run_spec(path: Path, params: dict, name: str) -> Artifact:
+    """The run spec the check step would hand the train step, at ``path``."""
+    write_run_spec(path, params, name)
+    return Artifact(uri=str(path))
+
+
 def test_train_step_two_replicas_one_rendezvous(
     data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -110,7 +116,9 @@ def test_train_step_two_replicas_one_rendezvous(
     params.update(steps=10, ckpt_every=5, nnodes=2, nproc_per_node=1, fault="exception@4:1", backend="local")
     params.update(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")  # MLflow follows the step's job
     run = Artifact(uri=str(tmp_path / "run"))
-    train.python_func(data=Dataset(uri=str(data_dir)), run=run, run_spec=run_spec(params, "two-replicas"))
+    train.python_func(
+        data=Dataset(uri=str(data_dir)), run=run, run_spec=_run_spec(tmp_path / "run_spec", params, "two-replicas")
+    )
     run_dir = tmp_path / "workspace" / "two-replicas" / "run"
     joined = [
         re.findall(
@@ -152,7 +160,7 @@ def test_a_preempted_local_job_fails_the_train_step_and_is_logged_failed(
         train.python_func(
             data=Dataset(uri=str(data_dir)),
             run=Artifact(uri=str(tmp_path / "run")),
-            run_spec=run_spec(params, "preempted"),
+            run_spec=_run_spec(tmp_path / "run_spec", params, "preempted"),
         )
     assert not (tmp_path / "run").exists(), "nothing handed on to validation"
     logged = log_pipeline_run(
@@ -178,7 +186,9 @@ def test_a_preempted_local_job_fails_the_train_step_and_is_logged_failed(
 
     params.update(pipeline_job="resilient-fsdp-training-p2", pipeline_job_id="kfp-p2")  # the fault fired once
     train.python_func(
-        data=Dataset(uri=str(data_dir)), run=Artifact(uri=str(tmp_path / "run")), run_spec=run_spec(params, "preempted")
+        data=Dataset(uri=str(data_dir)),
+        run=Artifact(uri=str(tmp_path / "run")),
+        run_spec=_run_spec(tmp_path / "run_spec", params, "preempted"),
     )
     run_dir = tmp_path / "workspace" / "preempted" / "run"
     assert [s.resumed_from_step for s in select(read_events(run_dir), RunStart)] == [0, 6]
@@ -254,15 +264,19 @@ def test_a_ui_run_without_a_tracking_uri_is_refused_by_the_first_step_and_logged
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     params = {**parameter_defaults(), "pipeline_job": "resilient-fsdp-training-x7k2p", "pipeline_job_id": "kfp-1"}
     with pytest.raises(ParameterError, match="^tracking_uri: a kubernetes run needs an MLflow tracking server"):
-        check_run.python_func(**params)
+        check_run.python_func(run_spec=Artifact(uri=str(tmp_path / "run_spec")), **params)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.team-a:5000")  # the rfsdp-mlflow secret's key
-    name, spec = check_run.python_func(**params)
+    spec = Artifact(uri=str(tmp_path / "run_spec"))
+    name = check_run.python_func(run_spec=spec, **params)
     assert name == resolve_run_name("", params["pipeline_job"], "kfp-1")
-    assert read_run_spec(spec) == {**params, "training_run": name}  # what the later steps read
+    assert read_run_spec(spec.path) == {**params, "training_run": name}  # what the later steps read
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     with pytest.raises(ParameterError, match="^fault: exception@5:0 and sigkill@5:1 are both at step 5"):
-        check_run.python_func(**{**params, "fault": "exception@5:0,sigkill@5:1", "tracking_uri": uri})
+        check_run.python_func(
+            run_spec=Artifact(uri=str(tmp_path / "run_spec")),
+            **{**params, "fault": "exception@5:0,sigkill@5:1", "tracking_uri": uri},
+        )
     logged = log_pipeline_run(
         state="FAILED",
         error_message="Task exit-handler-1 failed.",
@@ -321,7 +335,7 @@ def test_the_exit_handler_never_follows_a_refused_name_into_another_run(
     params = {**parameter_defaults(), "training_run": "./victim", "tracking_uri": uri, "experiment": "ui"}
     params.update(pipeline_job="resilient-fsdp-training-x7k2p", pipeline_job_id="kfp-9")
     with pytest.raises(ParameterError, match="^training_run: './victim' is not a DNS-1035 label"):
-        check_run.python_func(**params)
+        check_run.python_func(run_spec=Artifact(uri=str(tmp_path / "run_spec")), **params)
     logged = log_pipeline_run(
         state="FAILED",
         error_message="Task exit-handler-1 failed.",

@@ -23,7 +23,7 @@ from kfp.dsl import Artifact, Dataset
 from kfp.kubernetes import kubernetes_executor_config_pb2
 from kfp.pipeline_spec import pipeline_spec_pb2
 
-from components.runs import FAILURE_FILE, TRAIN_STEP, run_spec
+from components.runs import FAILURE_FILE, TRAIN_STEP, write_run_spec
 from components.train import train
 from pipelines.resilient_fsdp import PIPELINE_NAME, parameter_defaults
 from pipelines.run import compile_pipeline, submit
@@ -78,6 +78,12 @@ EXPECTED_PARAMETERS = {
 def compiled(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     path = compile_pipeline(tmp_path_factory.mktemp("ir") / "pipeline.yaml")
     return list(yaml.safe_load_all(path.read_text()))
+
+
+def _run_spec(path: Path, params: dict, name: str) -> Artifact:
+    """The run spec the check step would hand the train step, at ``path``."""
+    write_run_spec(path, params, name)
+    return Artifact(uri=str(path))
 
 
 def _spec(compiled: list[dict]) -> pipeline_spec_pb2.PipelineSpec:
@@ -140,12 +146,12 @@ def test_the_steps_run_inside_an_exit_handler_that_logs_every_run(compiled: list
         assert task_inputs["pipeline_job_id"].runtime_value.constant.string_value == dsl.PIPELINE_JOB_ID_PLACEHOLDER
     for step in ("prepare-data", "validate-checkpoint", "export-model"):  # the name the check step derived
         named = body[step].inputs.parameters["training_run"].task_output_parameter
-        assert (named.producer_task, named.output_parameter_key) == ("check-run", "training_run")
+        assert (named.producer_task, named.output_parameter_key) == ("check-run", "Output")
     # The check step takes every parameter once; the train step takes them from its run spec (issue 36).
     assert set(spec.root.input_definitions.parameters) <= set(check)
     assert not {"steps", "model", "backend", "training_run"} & set(body["train"].inputs.parameters)
-    handed = body["train"].inputs.parameters["run_spec"].task_output_parameter
-    assert (handed.producer_task, handed.output_parameter_key) == ("check-run", "run_spec")
+    handed = body["train"].inputs.artifacts["run_spec"].task_output_artifact
+    assert (handed.producer_task, handed.output_artifact_key) == ("check-run", "run_spec")
 
 
 def test_the_headline_is_the_one_metrics_artifact(compiled: list[dict]) -> None:
@@ -288,9 +294,13 @@ def test_train_step_rejects_bad_parameters_before_any_process(tmp_path: Path, mo
     run = Artifact(uri=str(tmp_path / "run"))
     data = Dataset(uri=str(tmp_path / "data"))
     with pytest.raises(ValueError, match="fault: step 99 in 'exception@99' is outside the run"):
-        train.python_func(data=data, run=run, run_spec=run_spec({**params, "fault": "exception@99"}, "ui-run"))
+        train.python_func(
+            data=data, run=run, run_spec=_run_spec(tmp_path / "s1", {**params, "fault": "exception@99"}, "ui-run")
+        )
     with pytest.raises(ValueError, match="backend: 'slurm'"):
-        train.python_func(data=data, run=run, run_spec=run_spec({**params, "backend": "slurm"}, "ui-run"))
+        train.python_func(
+            data=data, run=run, run_spec=_run_spec(tmp_path / "s2", {**params, "backend": "slurm"}, "ui-run")
+        )
     assert not (tmp_path / "run").exists()
     record = json.loads((tmp_path / "workspace" / "ui-run" / FAILURE_FILE).read_text())
     assert record == {
