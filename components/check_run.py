@@ -16,6 +16,7 @@ def check_run(
     nproc_per_node: int,
     max_restarts: int,
     inprocess_restart: bool,
+    max_bug_retries: int,
     fault: str,
     model: str,
     seq_len: int,

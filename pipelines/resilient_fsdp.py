@@ -98,6 +98,7 @@ def resilient_fsdp_training(
     nproc_per_node: int = LAUNCH.nproc_per_node,
     max_restarts: int = LAUNCH.max_restarts,
     inprocess_restart: bool = TRAIN["inprocess_restart"],
+    max_bug_retries: int = TRAIN["max_bug_retries"],
     fault: str = TRAIN["fault"],
     model: str = TRAIN["model"],
     seq_len: int = TRAIN["seq_len"],
@@ -139,6 +140,9 @@ def resilient_fsdp_training(
         nproc_per_node: Worker processes per replica (one per GPU with gpus=true).
         max_restarts: In-job restarts ft_launcher may do before the job fails.
         inprocess_restart: Recover soft faults (exceptions, stuck Python) inside the running processes.
+        max_bug_retries: Retries of a suspected bug: the same exception, from the same line of project or user code,
+            at the same step (or a loss that turns NaN or Inf). One more occurrence ends the job with a fatal event
+            (reason bug) that no restart retries; infrastructure faults keep the restart budgets (docs/recovery.md).
         fault: Fault schedule KIND@STEP[:RANK],..., at most one per step ("" none). KIND: {FAULT_KINDS}.
         model: The model: a built-in size (tiny, small, base, large, 1b), hf:PATH (a Hugging Face causal LM: a directory
             on the shared volume, an s3:// prefix or a hub id, with config.json and optionally safetensors weights to

@@ -84,12 +84,14 @@ def test_run_local_whole_pipeline_with_a_fault(tmp_path: Path) -> None:
         f"tracking_uri={uri}",
         "experiment=e2e",
     ]
-    settings.append("system_metrics_every=1")
+    settings += ["system_metrics_every=1", "max_bug_retries=2"]
     proc = _run_local(root, *settings)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     run_id = re.search(r"MLflow run id:\s*([0-9a-f]{32})", proc.stdout)[1]
     (run_dir,) = (root / "workspace").glob("rfsdp-*/run")
     assert [e.layer for e in select(read_events(run_dir), Restart)] == ["in_process"]
+    # The check step's run spec carries the parameters to the trainer (issue 36).
+    assert {s.config["max_bug_retries"] for s in select(read_events(run_dir), RunStart)} == {2}
     assert (run_dir / "checkpoints" / "step_000012" / "manifest.json").is_file()
 
     executor_output = json.loads(_exit_output(root, "executor_output.json").read_text())

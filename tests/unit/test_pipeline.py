@@ -23,7 +23,8 @@ from kfp.dsl import Artifact, Dataset
 from kfp.kubernetes import kubernetes_executor_config_pb2
 from kfp.pipeline_spec import pipeline_spec_pb2
 
-from components.runs import FAILURE_FILE, TRAIN_STEP, write_run_spec
+from components.check_run import check_run
+from components.runs import FAILURE_FILE, TRAIN_STEP, read_run_spec, write_run_spec
 from components.train import train
 from pipelines.resilient_fsdp import PIPELINE_NAME, parameter_defaults
 from pipelines.run import compile_pipeline, submit
@@ -46,6 +47,7 @@ EXPECTED_PARAMETERS = {
     "nproc_per_node",
     "max_restarts",
     "inprocess_restart",
+    "max_bug_retries",
     "fault",
     "model",
     "seed",
@@ -238,6 +240,7 @@ def test_the_default_training_run_is_unique_per_kfp_run_and_an_explicit_one_is_k
         ("registered_model=llama", "registered_model: 'llama' needs a model to register: set export_uri"),
         ("grad_accum_steps=0", "grad_accum_steps: must be positive"),
         ("seq_len=-1", "seq_len: must be at least 0"),
+        ("max_bug_retries=-1", "max_bug_retries: must be at least 0, got -1"),
     ],
 )
 def test_bad_parameters_fail_before_anything_starts(
@@ -248,6 +251,31 @@ def test_bad_parameters_fail_before_anything_starts(
     err = capsys.readouterr().err
     assert named in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not root.exists(), "nothing may be started or written"
+
+
+def test_max_bug_retries_reaches_the_trainers_arguments_through_the_run_spec(
+    compiled: list[dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A UI parameter like the CLI's --max-bug-retries: the check step puts it in the run spec, and
+    the train step's worker command carries it on both backends (local replicas, PyTorchJob workers)."""
+    from trainer.launch.k8s import build_pytorchjob, cluster_options, to_manifest
+    from trainer.launch.local import job_from_parameters, worker_command
+
+    described = _spec(compiled).root.input_definitions.parameters["max_bug_retries"]
+    assert described.parameter_type == pipeline_spec_pb2.ParameterType.NUMBER_INTEGER
+    assert described.default_value.number_value == 1 and "bug" in described.description
+    monkeypatch.setenv(WORKSPACE_ENV, str(tmp_path / "workspace"))
+    params = {**parameter_defaults(), "max_bug_retries": 3, "tracking_uri": MLFLOW}
+    params.update(pipeline_job="resilient-fsdp-training-x7k2p", pipeline_job_id="kfp-1")
+    spec = Artifact(uri=str(tmp_path / "run_spec"))
+    name = check_run.python_func(run_spec=spec, **params)
+    handed = read_run_spec(spec.path)
+    assert handed == {**params, "training_run": name}
+    cfg, launch = job_from_parameters(handed, data="/mnt/rfsdp/d", run_dir="/mnt/rfsdp/r")  # as the train step does
+    job = to_manifest(build_pytorchjob(cfg, launch, cluster_options(handed)))
+    (container,) = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
+    for argv in (worker_command(cfg), container["command"]):
+        assert argv[argv.index("--max-bug-retries") + 1] == "3"
 
 
 def test_a_manifest_for_an_hf_model_in_a_bucket_is_a_2x8_gpu_job(capsys: pytest.CaptureFixture) -> None:
