@@ -367,9 +367,13 @@ class Kubelet:
         """The pod's mount namespace (``/proc/PID/ns/mnt`` of a process that only holds it),
         made with its first container: a tmpfs mounted on each ``memory`` folder (path -> size
         in bytes, None: the default), its Memory emptyDirs, which each container's own mount
-        namespace, a copy of this one, binds where it wants them. It goes with the pod.
+        namespace, a copy of this one, binds where it wants them. It goes with the pod; one
+        that was killed is made again (empty), as a kubelet re-creates a pod sandbox that died.
         """
         uid = pod["metadata"]["uid"]
+        if uid in self.sandboxes and self.sandboxes[uid].poll() is not None:  # killed: its memory is gone
+            del self.sandboxes[uid]
+            self._event(pod, "Normal", "SandboxChanged", "Pod sandbox changed, it will be killed and re-created.")
         if uid not in self.sandboxes:
             holder = subprocess.Popen(
                 ["unshare", "--mount", "--propagation", "private", "sleep", "infinity"],
@@ -378,8 +382,10 @@ class Kubelet:
             )
             # Until unshare has made it private and exec'd sleep: a tmpfs mounted before that
             # could propagate to this machine's namespace.
-            while _comm(holder.pid) not in ("sleep", None):
+            while _comm(holder.pid) not in ("sleep", None) and holder.poll() is None:
                 time.sleep(0.01)
+            if holder.poll() is not None:
+                raise RuntimeError(f"the pod's sandbox could not be made: unshare exited {holder.returncode}")
             try:
                 for path, size in memory.items():
                     options = ["-o", f"size={size}"] if size else []
@@ -657,8 +663,13 @@ def _bytes(quantity: str | None) -> int | None:
 
 
 def _kill_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)
+    """Signal the process group ``proc`` leads, while ``proc`` is not reaped: once it is, its pid
+    may be another process's, a pod's sandbox or container leading a group of its own (what is
+    left of the group then dies by its mount namespace).
+    """
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
 
 
 def _kill_namespaces(namespaces: set[str]) -> None:
