@@ -31,14 +31,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import platform
-import re
 import signal
 import socket
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,14 +43,11 @@ from typing import IO
 
 from trainer.emulation.api import ApiError, Store, not_found, now_rfc3339
 from trainer.emulation.events import Recorder
+from trainer.emulation.specs import container_spec, node_object
 from trainer.process import die_with_parent
 
-_VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)|\$\$")
-_QUANTITY = re.compile(r"^([0-9.]+)([KMGTPE]i?)?$")
-_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 NODE_PREFIX = "emulated-node"
 """The nodes are ``emulated-node-0``, ``emulated-node-1``, ..."""
-KUBELET_VERSION = "v1.32.0-emulated"
 _TERMINAL = ("Succeeded", "Failed")
 
 
@@ -107,7 +101,7 @@ class Kubelet:
         self.nodes: dict[str, dict] = {}  # by name: the nodes registered and not yet seen gone
         with store.lock:
             for i in range(nodes if enabled else 0):
-                node = store.put("nodes", _node_object(f"{NODE_PREFIX}-{i}"))
+                node = store.put("nodes", node_object(f"{NODE_PREFIX}-{i}"))
                 self.nodes[node["metadata"]["name"]] = node
 
     def delete_pod(self, pod: dict, grace: int | None) -> None:
@@ -414,7 +408,15 @@ class Kubelet:
         container = spec["containers"][0]
         restarts = (status.get("containerStatuses") or [{}])[0].get("restartCount", 0)
         try:
-            launch = self._container_spec(pod, container)
+            launch = container_spec(
+                pod,
+                container,
+                pod_dir=self.pod_dir(pod),
+                claims=self.claims,
+                secrets=self.secrets,
+                network=lambda: self._network(pod),
+                peers=lambda: self._pods_of_owner(pod),
+            )
         except ApiError as e:  # a missing claim or secret: the pod waits, as it would on a node
             self._unschedulable(pod, e.reason, e.message)
             return
@@ -518,108 +520,9 @@ class Kubelet:
             self.networks[job_uid] = holder
         return f"/proc/{self.networks[job_uid].pid}/ns/net"
 
-    def _container_spec(self, pod: dict, container: dict) -> dict:
-        """What ``trainer.emulation.container`` needs: network, mounts, hosts, env, argv."""
-        meta, spec = pod["metadata"], pod["spec"]
-        ns = meta["namespace"]
-        pod_dir = self.pod_dir(pod)
-        volumes = {v["name"]: v for v in spec.get("volumes") or []}
-        mounts = []
-        memory: dict[str, int | None] = {}  # the sandbox's tmpfs folders
-        for vm in container.get("volumeMounts") or []:
-            volume = volumes[vm["name"]]
-            mount = {"target": vm["mountPath"], "readOnly": vm.get("readOnly", False)}
-            if "persistentVolumeClaim" in volume:
-                claim = volume["persistentVolumeClaim"]["claimName"]
-                if claim not in self.claims:
-                    raise ApiError(400, "Unschedulable", f'persistentvolumeclaim "{claim}" not found')
-                mount.update(kind="bind", source=str(self.claims[claim] / vm.get("subPath", "")))
-            elif "emptyDir" in volume:
-                source = pod_dir / "volumes" / vm["name"]
-                source.mkdir(parents=True, exist_ok=True)
-                mount.update(kind="bind", source=str(source))
-                if volume["emptyDir"].get("medium") == "Memory":  # a tmpfs there, in the pod's sandbox
-                    memory[str(source)] = _bytes(volume["emptyDir"].get("sizeLimit"))
-            elif "secret" in volume:
-                name = volume["secret"]["secretName"]
-                data = self.secrets.get((ns, name))
-                if data is None and not volume["secret"].get("optional"):
-                    raise ApiError(400, "FailedMount", f'secret "{name}" not found')
-                source = pod_dir / "volumes" / vm["name"]
-                source.mkdir(parents=True, exist_ok=True)
-                for key, value in (data or {}).items():
-                    (source / key).write_text(value)
-                mount.update(kind="bind", source=str(source), readOnly=True)
-            else:
-                raise ApiError(
-                    400,
-                    "FailedMount",
-                    f"volume {vm['name']}: only persistentVolumeClaim, emptyDir and secret volumes are emulated",
-                )
-            mounts.append(mount)
-        env = {
-            "PATH": f"{Path(sys.executable).parent}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-            "HOME": str(pod_dir),
-        }
-        env["HOSTNAME"] = meta["name"]
-        for source in container.get("envFrom") or []:
-            ref = source.get("secretRef")
-            if ref is None:
-                raise ApiError(400, "CreateContainerConfigError", "only secretRef is emulated in envFrom")
-            data = self.secrets.get((ns, ref["name"]))
-            if data is None and not ref.get("optional"):
-                raise ApiError(400, "CreateContainerConfigError", f'secret "{ref["name"]}" not found')
-            env.update({source.get("prefix", "") + k: v for k, v in (data or {}).items()})
-        for var in container.get("env") or []:
-            env[var["name"]] = self._env_value(pod, var, env)
-        argv = [_expand(a, env) for a in (container.get("command") or []) + (container.get("args") or [])]
-        if not argv:
-            raise ApiError(
-                400, "CreateContainerError", "the emulated image has no entrypoint: set the container's command"
-            )
-        hosts = pod_dir / "hosts"
-        peers = self._pods_of_owner(pod)
-        hosts.write_text(
-            "127.0.0.1\tlocalhost\n::1\tlocalhost\n"
-            + "".join(f"{p['status']['podIP']}\t{p['metadata']['name']}\n" for p in peers)
-        )
-        return {
-            "netns": self._network(pod),
-            "memory": memory,
-            "hostname": meta["name"],
-            "hosts": str(hosts),
-            "mounts": mounts,
-            "env": env,
-            "argv": argv,
-            "cwd": container.get("workingDir") or str(pod_dir),
-        }
-
     def _pods_of_owner(self, pod: dict) -> list[dict]:
         uid = pod["metadata"]["ownerReferences"][0]["uid"]
         return [p for p in self.store.items("pods", pod["metadata"]["namespace"]) if self.in_network(p, uid)]
-
-    def _env_value(self, pod: dict, var: dict, env: dict[str, str]) -> str:
-        if "valueFrom" not in var:
-            return _expand(var.get("value", ""), env)
-        source = var["valueFrom"]
-        if "fieldRef" in source:
-            fields = {
-                "metadata.name": pod["metadata"]["name"],
-                "metadata.namespace": pod["metadata"]["namespace"],
-                "status.podIP": pod["status"]["podIP"],
-            }
-            return fields[source["fieldRef"]["fieldPath"]]
-        ref = source.get("secretKeyRef")
-        if ref is None:
-            raise ApiError(
-                400,
-                "CreateContainerConfigError",
-                f"env {var['name']}: only value, fieldRef and secretKeyRef are emulated",
-            )
-        data = self.secrets.get((pod["metadata"]["namespace"], ref["name"])) or {}
-        if ref["key"] not in data and not ref.get("optional"):
-            raise ApiError(400, "CreateContainerConfigError", f'secret "{ref["name"]}" has no key {ref["key"]}')
-        return data.get(ref["key"], "")
 
 
 def pod_address(spec: dict, rtype: str, index: int) -> str:
@@ -648,18 +551,6 @@ def exit_code(pod: dict) -> int:
     """The exit code of the pod's terminated container (0 while none)."""
     terminated = pod["status"]["containerStatuses"][0]["state"].get("terminated") or {}
     return terminated.get("exitCode", 0)
-
-
-def _expand(value: str, env: dict[str, str]) -> str:
-    """Kubernetes' ``$(VAR)`` expansion (``$$`` escapes; an unknown reference stays as written)."""
-    return _VAR_REF.sub(lambda m: "$" if m[0] == "$$" else env.get(m[1], m[0]), value)
-
-
-def _bytes(quantity: str | None) -> int | None:
-    if not quantity:
-        return None
-    m = _QUANTITY.match(quantity)
-    return int(float(m[1]) * _UNITS[m[2] or ""]) if m else None
 
 
 def _kill_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
@@ -699,44 +590,3 @@ def _comm(pid: int) -> str | None:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return None
-
-
-def _node_object(name: str) -> dict:
-    """A Ready Node as a kubelet registers it (this machine's OS, kernel and architecture)."""
-    os_image = "Linux"
-    with contextlib.suppress(OSError):
-        release = dict(line.split("=", 1) for line in Path("/etc/os-release").read_text().splitlines() if "=" in line)
-        os_image = release.get("PRETTY_NAME", os_image).strip('"')
-    arch = {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    capacity = {"cpu": str(os.cpu_count() or 1), "memory": f"{memory // 1024}Ki", "pods": "110"}
-    now = now_rfc3339()
-    labels = {
-        "kubernetes.io/hostname": name,
-        "kubernetes.io/os": "linux",
-        "kubernetes.io/arch": arch,
-        "beta.kubernetes.io/os": "linux",
-        "beta.kubernetes.io/arch": arch,
-    }
-    ready = {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet is posting ready status"}
-    ready.update(lastHeartbeatTime=now, lastTransitionTime=now)
-    return {
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {"name": name, "uid": str(uuid.uuid4()), "creationTimestamp": now, "labels": labels},
-        "spec": {},
-        "status": {
-            "conditions": [ready],
-            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": name}],
-            "capacity": dict(capacity),
-            "allocatable": dict(capacity),
-            "nodeInfo": {
-                "kubeletVersion": KUBELET_VERSION,
-                "containerRuntimeVersion": "emulated://1.0",
-                "osImage": os_image,
-                "kernelVersion": os.uname().release,
-                "operatingSystem": "linux",
-                "architecture": arch,
-            },
-        },
-    }
