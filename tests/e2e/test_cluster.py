@@ -791,3 +791,139 @@ def test_an_evicted_worker_pod_checkpoints_and_the_job_resumes_in_its_replacemen
         ("evicted-worker-1", ["pytorch-0.log"]),
         ("evicted-worker-1", ["pytorch-0.log"]),
     ]
+
+
+LOST_NODE_SETTINGS = [
+    "nnodes=2",
+    "nproc_per_node=1",
+    "steps=100",
+    "ckpt_every=100",  # no durable checkpoint before the end: what comes back is the local tier's
+    "local_ckpt_every=1",
+    "local_replicas=1",
+    "hang_timeout=6",
+]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The node-loss test's training with nothing lost, on the local backend (2 replicas x 1
+    process on this machine, as the 2 worker pods): the trajectory to equal, bit for bit."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}"}
+    sets = [a for s in ["backend=local", "training_run=steady", *LOST_NODE_SETTINGS] for a in ("--set", s)]
+    cli = [sys.executable, "-m", "trainer.cli", "pipeline", "run-local", "--root", str(root / "root"), *sets]
+    proc = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    return root / "root" / "workspace" / "steady" / "run"
+
+
+def _json_stream(text: str) -> list[dict]:
+    """The JSON objects `kubectl get -w -o json` printed one after the other (a last one still
+    being written is left out)."""
+    decoder, out, at = json.JSONDecoder(), [], 0
+    while (at := len(text) - len(text[at:].lstrip())) < len(text):
+        try:
+            obj, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            break
+        out.append(obj)
+    return out
+
+
+@pytest.mark.parametrize("lost", [1, 0])
+def test_a_lost_node_takes_its_pod_and_memory_and_the_job_resumes_from_the_peer_replica(
+    tmp_path: Path, uninterrupted: Path, lost: int
+) -> None:
+    """`kubectl delete node` of the node under worker LOST mid-run: the machine is gone, so every
+    process of its pod dies at once (SIGKILL, no SIGTERM: no `Killing` event, no checkpoint of
+    a preemption) with the pod's memory, where its local tier lay; the pod garbage collector
+    fails and deletes the pod, and the operator recreates it on another node. The new rank has no
+    snapshot of its own: its state comes back from the replica its peer holds (`source` `peer`),
+    at most one step is redone, the losses are the uninterrupted run's, and the job succeeds.
+    Worker 0 holds the rendezvous: when it is lost, worker 1's launcher ends and the kubelet
+    restarts its container, whose memory (the pod's Memory emptyDir) outlives that restart.
+    """
+    name = f"lost{lost}"
+    sets = [a for s in ["backend=kubernetes", f"training_run={name}", *LOST_NODE_SETTINGS] for a in ("--set", s)]
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    root = tmp_path / "root"
+    run = root / "workspace" / name / "run"
+    kubectl_env = {**env, "KUBECONFIG": str(root / "cluster" / "admin.kubeconfig"), "HOME": str(tmp_path)}
+    watched = {what: tmp_path / f"{what}.json" for what in ("pods", "events")}
+    watchers: list[subprocess.Popen] = []
+    cli = [sys.executable, "-m", "trainer.cli", "pipeline", "run-local", "--root", str(root), *sets]
+    with subprocess.Popen(cli, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        try:
+            wait_for(lambda: any(e.step >= 10 for e in select(read_events(run), Step)), timeout=300, what="step 10")
+            for what, path in watched.items():  # what the cluster did, until it stops with the pipeline
+                extra = ["--output-watch-events"] if what == "pods" else ["-A"]
+                with open(path, "w") as sink:
+                    watchers.append(
+                        subprocess.Popen(
+                            ["kubectl", "get", what, "-w", "-o", "json", *extra], env=kubectl_env, stdout=sink
+                        )
+                    )
+            wait_for(lambda: all(_json_stream(p.read_text()) for p in watched.values()), what="the watches to list")
+            pod = json.loads(
+                subprocess.run(
+                    ["kubectl", "get", "pod", f"{name}-worker-{lost}", "-o", "json"],
+                    env=kubectl_env,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    timeout=60,
+                ).stdout
+            )
+            node, uid = pod["spec"]["nodeName"], pod["metadata"]["uid"]
+            subprocess.run(["kubectl", "delete", "node", node], env=kubectl_env, check=True, timeout=60)
+            out, _ = proc.communicate(timeout=900)
+        finally:
+            proc.kill()
+            for watcher in watchers:
+                try:
+                    watcher.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    watcher.kill()
+    assert proc.returncode == 0, out[-6000:]
+
+    # The training: no preemption, one recovery from the peer's replica, the same trajectory.
+    events = read_events(run)
+    assert select(events, NodesPreempted) == []
+    (restart,) = select(events, Restart)
+    assert (restart.layer, restart.source) == ("in_job", "peer") and restart.lost_steps <= 1, restart
+    assert [e.status for e in select(events, RunEnd)] == ["completed"]
+    assert final_losses(events) == final_losses(read_events(uninterrupted))
+    stored = yaml.safe_load((root / "cluster" / f"{name}.pytorchjob.yaml").read_text())
+    assert conditions(stored)[-1] == "Succeeded"
+
+    # The cluster: the pod failed with its node and was deleted, with no SIGTERM; its replacement
+    # runs on another node.
+    pod_changes = _json_stream(watched["pods"].read_text())
+    changes = [c for c in pod_changes if c["object"]["metadata"]["uid"] == uid]
+    assert changes[-1]["type"] == "DELETED"
+    gone = changes[-1]["object"]
+    assert gone["status"]["phase"] == "Failed" and gone["metadata"]["deletionGracePeriodSeconds"] == 0
+    assert {"type": "DisruptionTarget", "reason": "DeletionByPodGC"}.items() <= gone["status"]["conditions"][-1].items()
+    replacements = {
+        c["object"]["metadata"]["uid"]: c["object"]["spec"].get("nodeName")
+        for c in pod_changes
+        if c["object"]["metadata"]["name"] == f"{name}-worker-{lost}" and c["object"]["metadata"]["uid"] != uid
+    }
+    assert len(replacements) == 1 and next(iter(replacements.values())) not in (None, node)
+    # The peer's pod stays: its ranks wait in the rendezvous (worker 1 lost), or, the rendezvous
+    # host lost, its launcher ends and the kubelet restarts its container in the same pod.
+    peer = [c["object"] for c in pod_changes if c["object"]["metadata"]["name"] == f"{name}-worker-{1 - lost}"]
+    assert len({p["metadata"]["uid"] for p in peer}) == 1
+    restarts = peer[-1]["status"]["containerStatuses"][0]["restartCount"]
+    assert restarts >= 1 if lost == 0 else restarts == 0, restarts
+    cluster_events = _json_stream(watched["events"].read_text())
+    about_pod = {e["reason"] for e in cluster_events if e["involvedObject"].get("uid") == uid}
+    assert about_pod == {"Scheduled", "Pulled", "Created", "Started"}  # no Killing: no SIGTERM was sent
+    assert any(
+        e["reason"] == "RemovingNode" and e["involvedObject"] == {**e["involvedObject"], "kind": "Node", "name": node}
+        for e in cluster_events
+    )
+    print(
+        f"\nnode under worker {lost} lost: resumed from step {restart.resumed_from_step} ({restart.source}), "
+        f"{restart.lost_steps} step(s) redone, {restart.recovery_s:.1f} s"
+    )
