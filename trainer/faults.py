@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from trainer import cgroup
 from trainer.errors import ParameterError
 from trainer.events import EVENTS_FILE, SAVE_PHASES, EventLog, FaultFired
 from trainer.process import launcher_pid
@@ -49,6 +50,10 @@ RANK_KINDS = {
     ),
     "lose-save": (
         "with /PHASE: the save's unpublished folder is deleted under it (that save fails; a final one fails the run)"
+    ),
+    "oom": (
+        "the rank allocates until the kernel's OOM killer ends it (in-job restart, reported as oom with its "
+        "peak RSS); needs a memory-limited cgroup"
     ),
     "bug": (
         "the step raises the same exception every time it is reached "
@@ -244,9 +249,28 @@ class FaultInjector:
         if fault.kind == "lose-save":  # an outside hand (a cleanup job, a volume hiccup) removes the save in progress
             for tmp in (self.run_dir / "checkpoints").glob(f"step_{step:06d}.tmp*"):
                 shutil.rmtree(tmp, ignore_errors=True)
+        if fault.kind == "oom":
+            exhaust_memory()
         if fault.kind == "hang":
             while True:  # blocked inside C (the sleep syscall), as a stuck kernel or driver would be
                 time.sleep(3600)
+
+
+OOM_CHUNK = 64 << 20
+
+
+def exhaust_memory() -> None:
+    """Allocate and touch memory until the kernel's OOM killer ends this process: a leak, or a
+    batch too large for the container. Only within a memory limit (the launcher refuses ``oom``
+    without one), and never past it: a limit the kernel does not enforce raises instead.
+    """
+    limit = cgroup.memory_limit(cgroup.memory_dir())
+    if limit is None:
+        raise RuntimeError("oom fault without a memory limit: refusing to take the machine's memory")
+    held = []
+    for _ in range(limit // OOM_CHUNK + 1):
+        held.append(b"\x01" * OOM_CHUNK)  # written, so resident: calloc's untouched pages would not count
+    raise RuntimeError(f"oom fault: {len(held) * OOM_CHUNK >> 20} MiB allocated and no OOM kill")
 
 
 def tear_event_line(run_dir: Path, step: int) -> None:

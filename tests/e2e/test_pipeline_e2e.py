@@ -29,6 +29,7 @@ HEADLINE = {
     "recovery max (s)",
     "lost steps",
     "lost steps max per fault",
+    "OOM kills",  # its peak RSS only where a rank was OOM-killed
     "checkpoint stall p50 (s)",
     "checkpoint overhead (%)",
     "final loss",

@@ -7,14 +7,22 @@ Here real jobs (`rfsdp train`); the rule in this process: tests/unit/test_bugs.p
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, losses, train
+from tests.conftest import ROOT, losses, rfsdp_here, train
+from trainer import cgroup
 from trainer.checkpoint import CHECKPOINTS
 from trainer.errors import FATAL_EXIT_CODE
 from trainer.events import Failure, Fatal, FaultFired, Restart, RunStart, Step, read_events, select
+from trainer.results.tracking import log_run
+from trainer.results.tracking.uri import client_of as mlflow_client
 
 RUN = ("--steps", "12", "--ckpt-every", "4")
 BUG_LINE = next(
@@ -105,3 +113,88 @@ def test_a_nan_loss_ends_the_job_and_no_checkpoint_after_it_is_published(
     train(data_dir, run, *RUN, "--ckpt-mode", "sync")  # the cause fixed (no fault): resumed from before step 8
     assert select(read_events(run), RunStart)[-1].resumed_from_step < 8
     assert losses(run) == losses(baseline_12)
+
+
+# --------------------------------------------------------------------------- an OOM kill (issue 37, item 2)
+
+OOM_LIMIT = 3 << 30
+"""The job's memory cgroup: room for the launcher, the zygote and both ranks of the tiny model
+(about half of it), so that the rank that grows is the one the kernel's OOM killer ends."""
+
+
+@pytest.fixture
+def memory_cgroup(request: pytest.FixtureRequest) -> Iterator[Path]:
+    """A memory cgroup of :data:`OOM_LIMIT`, without swap, made for the test (root)."""
+    if os.geteuid() != 0:
+        pytest.skip("making a memory-limited cgroup needs root")
+    unified = Path("/sys/fs/cgroup/cgroup.controllers").is_file()
+    parent = Path("/sys/fs/cgroup") if unified else Path("/sys/fs/cgroup/memory")
+    if unified and "memory" not in (parent / "cgroup.subtree_control").read_text().split():
+        pytest.skip("the cgroup v2 root does not delegate the memory controller")
+    folder = parent / f"rfsdp-test-{os.getpid()}-{request.node.name[:40]}"
+    try:
+        folder.mkdir()
+    except OSError as e:
+        pytest.skip(f"cannot make a memory cgroup here: {e}")
+    try:
+        if unified:
+            (folder / "memory.max").write_text(str(OOM_LIMIT))
+            if (folder / "memory.swap.max").exists():
+                (folder / "memory.swap.max").write_text("0")
+        else:
+            (folder / "memory.limit_in_bytes").write_text(str(OOM_LIMIT))
+            if (folder / "memory.memsw.limit_in_bytes").exists():  # swap accounting: no swap either
+                (folder / "memory.memsw.limit_in_bytes").write_text(str(OOM_LIMIT))
+        yield folder
+    finally:
+        deadline = time.monotonic() + 30
+        while (folder / "cgroup.procs").read_text().split() and time.monotonic() < deadline:
+            time.sleep(0.2)  # the run's last processes (NVRx's monitors) leave within a second or two
+        folder.rmdir()
+
+
+def test_an_oom_kill_is_recovered_in_job_and_reported_as_oom_with_the_peak_rss(
+    data_dir: Path, baseline_12: Path, memory_cgroup: Path, tmp_path: Path
+) -> None:
+    """``oom@6:1``: rank 1 allocates until the kernel's OOM killer ends it, in a cgroup limited to
+    3 GiB. The job restarts in-job and ends on the baseline's trajectory. The kill is a ``failure``
+    of kind ``oom`` (infrastructure) on rank 1 at step 6 with the rank's peak RSS, as its worker
+    learnt it from the kernel, and MLflow has it (before: a bare SIGKILL, reported nowhere)."""
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "trainer.cli", "train", "--quiet", "--data", str(data_dir), "--run-dir", str(run)]
+    proc = subprocess.run(
+        [*command, *RUN, "--fault", "oom@6:1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: cgroup.join(memory_cgroup),  # the whole job, as in a container
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert cgroup.oom_kills(memory_cgroup) == 1
+    events = read_events(run)
+    assert [(f.kind, f.step, f.rank) for f in select(events, FaultFired)] == [("oom", 6, 1)]
+    (oom,) = [f for f in select(events, Failure) if f.rank == 1]
+    assert (oom.category, oom.kind, oom.error_type, oom.step) == ("infrastructure", "oom", "OOMKilled", 6)
+    # A rank of the tiny model holds a few hundred MiB: a peak past 1 GiB is the allocation the kernel stopped.
+    assert 1024 < oom.peak_rss_mb <= OOM_LIMIT >> 20
+    assert not [f for f in select(events, Failure) if f.category == "bug"]
+    assert [r.layer for r in select(events, Restart)] == ["in_job"]
+    assert losses(run) == losses(baseline_12)
+    assert "OOMKilled" in proc.stdout  # the summary's table of faults and recoveries
+
+    run_id = log_run(run, tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", experiment="oom")
+    metrics = mlflow_client(f"sqlite:///{tmp_path}/mlflow.db").get_run(run_id).data.metrics
+    assert (metrics["oom_kills"], metrics["oom_peak_rss_mb"]) == (1, oom.peak_rss_mb)
+    assert metrics["failures_infrastructure"] >= 1  # rank 1's OOM, and rank 0's lost peer when it saw it first
+
+
+def test_an_oom_fault_outside_a_memory_limit_is_refused_before_anything_starts(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Without a limit, the rank would take the machine's memory: ``fault`` is refused, naming it."""
+    monkeypatch.setattr(cgroup, "memory_limit", lambda folder: None)
+    run = tmp_path / "run"
+    code, err = rfsdp_here(capsys, "train", "--data", str(data_dir), "--run-dir", str(run), "--fault", "oom@6:1")
+    assert code == 2 and "fault" in err and "oom needs a memory limit" in err, err
+    assert not run.exists()

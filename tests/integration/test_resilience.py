@@ -322,7 +322,7 @@ def test_a_preempted_rank_stops_every_rank_and_the_run_resumes_exactly(
     assert [e.resumed_from_step for e in events if isinstance(e, RunStart)] == [0, end.step]
     for start in select(events, RunStart):  # each start's timeline: from the launcher's start to the resume, in order
         assert list(start.phases)[0] == "process_started" and list(start.phases)[-1] == "resumed"
-        assert {"imports_done", "process_group", "model_built"} <= set(start.phases)
+        assert {"forked", "process_group", "model_built"} <= set(start.phases)  # a fork of the node's zygote
         assert start.phases["process_started"] >= 0 and list(start.phases.values()) == sorted(start.phases.values())
     assert not restarts(run) and [e.status for e in events if isinstance(e, RunEnd)] == ["preempted", "completed"]
     assert losses(run) == losses(baseline_60)

@@ -1,4 +1,5 @@
-"""Pre-warmed workers (trainer.launch.zygote): restarted ranks are forks of the node's zygote.
+"""Pre-warmed workers (trainer.launch.zygote): every rank is a fork of the node's zygote, the
+first ones (whose workers wait for it to import) and the restarted ones.
 
 Real jobs (`rfsdp train`, ft_launcher, 2 gloo ranks); faults are real signals sent from here once
 the zygote is listening, so that the restart it serves does not depend on how fast it imported.
@@ -26,7 +27,7 @@ import pytest
 
 from tests.conftest import NOBODY, ROOT
 from tests.reaper import TAG_ENV, alive
-from trainer.events import FaultFired, Restart, RunEnd, Step, read_events, select
+from trainer.events import FaultFired, Restart, RunEnd, RunStart, Step, read_events, select
 from trainer.faults import FAULTS_DIR
 from trainer.launch.worker import ZYGOTE_MODULE, lock_address, zygote_address
 
@@ -79,12 +80,23 @@ def ours() -> list[Proc]:
 
 
 def zygotes() -> dict[int, tuple[str, int]]:
-    """This test's zygotes (pid -> address, agent pid): processes started as the zygote whose
-    parent is not one (a zygote's ranks, and their children, are forks of it). A zygote started
-    while one is importing exits at once: it may be seen too.
+    """This test's zygotes (pid -> address, agent pid): processes started as the zygote that hold
+    its lock file open. Its forks (the ranks, their children, NVRx's monitors double-forked from
+    them) carry its command line too, but none keeps the lock.
     """
-    procs = {p.pid: p for p in ours() if ZYGOTE_MODULE in p.argv[1:4]}
-    return {pid: (p.argv[-2], int(p.argv[-1])) for pid, p in procs.items() if p.ppid not in procs}
+    found = {}
+    for p in ours():
+        if ZYGOTE_MODULE in p.argv[1:4] and holds(p.pid, lock_address(p.argv[-2])):
+            found[p.pid] = (p.argv[-2], int(p.argv[-1]))
+    return found
+
+
+def holds(pid: int, path: str) -> bool:
+    """Whether the process ``pid`` has the file ``path`` open."""
+    try:
+        return any(f.path == path for f in psutil.Process(pid).open_files())
+    except psutil.Error:  # gone meanwhile
+        return False
 
 
 def one_listening_zygote() -> list | None:
@@ -97,8 +109,8 @@ def listening(address: str) -> bool:
     return any(line.rstrip().endswith(f" {address}") for line in Path("/proc/net/unix").read_text().splitlines())
 
 
-def forked_ranks(zygote: int) -> list[int]:
-    return [p.pid for p in ours() if p.ppid == zygote]
+def forked_ranks(zygote: int, besides: list[int] = ()) -> list[int]:
+    return [p.pid for p in ours() if p.ppid == zygote and p.pid not in besides]
 
 
 def session_leaders(pids: list[int], count: int) -> list[int] | None:
@@ -119,11 +131,11 @@ def worker(program: str, rank: int) -> int | None:
 
 
 def test_restarts_are_served_by_the_zygote_which_ends_with_the_run(data_dir: Path, tmp_path: Path) -> None:
-    """The first workers run the trainer themselves while the zygote imports; once it listens,
-    a SIGKILLed rank's restart is two forks of it, each leading its own session. Killing a
-    client's process group (what the launcher does to restart) kills its rank; SIGTERM reaches the
-    forked ranks through their clients (a graceful preemption). After `rfsdp train` returns,
-    neither the zygote nor its socket is left.
+    """The first workers wait for the zygote to import, and their ranks are two forks of it,
+    each leading its own session; so is a SIGKILLed rank's restart. Killing a client's process
+    group (what the launcher does to restart) kills its rank; SIGTERM reaches the forked ranks
+    through their clients (a graceful preemption). After `rfsdp train` returns, neither the
+    zygote nor its socket is left.
     """
     run = tmp_path / "run"
     proc = start_train(data_dir, run, "--steps", "100000", "--ckpt-every", "5")  # ended by the SIGTERM below
@@ -131,12 +143,15 @@ def test_restarts_are_served_by_the_zygote_which_ends_with_the_run(data_dir: Pat
         ((zygote, (address, _)),) = wait_for("one zygote, listening", one_listening_zygote)
         assert Path(lock_address(address)).is_file()
         assert oct(Path(address).parent.stat().st_mode & 0o777) == oct(0o700)
-        first = wait_for("rank 1 of the first workers", lambda: worker("trainer.rank.train", 1))
-        wait_for("a step", lambda: select(read_events(run), Step))  # the restart's timeline starts there
-        os.kill(first, signal.SIGKILL)  # an OOM kill
-
         # Each leads its own session, as a worker does (a fork is seen before it calls setsid).
-        ranks = wait_for("two forked ranks, each leading a session", lambda: session_leaders(forked_ranks(zygote), 2))
+        first = wait_for("the first workers' ranks, forked", lambda: session_leaders(forked_ranks(zygote), 2))
+        assert worker("trainer.rank.train", 0) is None and worker("trainer.rank.train", 1) is None  # none exec'd
+        wait_for("a step", lambda: select(read_events(run), Step))  # the restart's timeline starts there
+        (start,) = select(read_events(run), RunStart)
+        assert "forked" in start.phases
+        os.kill(first[1], signal.SIGKILL)  # a rank lost
+
+        ranks = wait_for("two new forked ranks", lambda: session_leaders(forked_ranks(zygote, besides=first), 2))
         wait_for("the restart event", lambda: select(read_events(run), Restart))
         (restart,) = select(read_events(run), Restart)
         assert "forked" in restart.phases and "imports_done" not in restart.phases  # rank 0 imported nothing
@@ -219,6 +234,7 @@ def test_only_a_worker_of_its_own_launcher_gets_a_rank(data_dir: Path, tmp_path:
     proc = start_train(data_dir, run, "--steps", "100000", "--ckpt-every", "50000")  # ended below
     try:
         ((zygote, (address, _)),) = wait_for("one zygote, listening", one_listening_zygote)
+        ranks = wait_for("the job's ranks, forked", lambda: session_leaders(forked_ranks(zygote), 2))
         ask = ["-c", CLIENT, address, "--data", str(data_dir), "--run-dir", str(tmp_path / "theirs")]
         nobodys = subprocess.run(as_nobody(*ask), cwd="/", capture_output=True, text=True, timeout=60)
         roots = subprocess.run([sys.executable, *ask], cwd="/", capture_output=True, text=True, timeout=60)
@@ -227,7 +243,7 @@ def test_only_a_worker_of_its_own_launcher_gets_a_rank(data_dir: Path, tmp_path:
             assert "pid" not in json.loads(reply.stdout), reply.stdout
         assert json.loads(nobodys.stdout) == {"connect": "PermissionError"}  # the socket's folder is its user's alone
         assert "is not a worker of this zygote's launcher" in json.loads(roots.stdout)["error"]
-        assert not forked_ranks(zygote)
+        assert not forked_ranks(zygote, besides=ranks)
         assert not (tmp_path / "theirs").exists()
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -306,8 +322,8 @@ def test_a_worker_sends_nothing_to_another_users_socket(monkeypatch: pytest.Monk
 def test_a_forked_ranks_sigterm_fault_preempts_the_run(data_dir: Path, tmp_path: Path) -> None:
     """A rank forked by the zygote preempts the run through its launcher, not its parent (the
     zygote): the audit's ``sigkill@150:1,sigterm@300:0`` was never preempted. The sigterm fault is
-    held back (its once-per-run marker) until the first workers are past its step, then the
-    forked restart, which resumes from step 0, fires it.
+    held back (its once-per-run marker) until the first ranks are past its step, then the
+    restarted ranks, which resume from step 0, fire it.
     """
     run = tmp_path / "run"
     marker = run / FAULTS_DIR / "sigterm@5:0"
@@ -318,11 +334,11 @@ def test_a_forked_ranks_sigterm_fault_preempts_the_run(data_dir: Path, tmp_path:
     )
     try:
         ((zygote, _),) = wait_for("one zygote, listening", one_listening_zygote)
-        first = wait_for("rank 1 of the first workers", lambda: worker("trainer.rank.train", 1))
+        first = wait_for("the first workers' ranks, forked", lambda: session_leaders(forked_ranks(zygote), 2))
         wait_for("step 6", lambda: any(s.step >= 6 for s in select(read_events(run), Step)))
         marker.unlink()
-        os.kill(first, signal.SIGKILL)
-        wait_for("two forked ranks", lambda: session_leaders(forked_ranks(zygote), 2))
+        os.kill(first[1], signal.SIGKILL)
+        wait_for("two new forked ranks", lambda: session_leaders(forked_ranks(zygote, besides=first), 2))
         out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:

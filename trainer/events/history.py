@@ -249,7 +249,8 @@ def summarize(events: list[Event]) -> dict[str, float | int | None]:
           after it), ``lost_steps`` (summed) and ``lost_steps_max`` (the most one recovery lost)
           from the ``restart`` events.
         * ``failures_<category>``: the ``failure`` events of each class (``infrastructure``,
-          ``bug``): exceptions the ranks met, one per rank that met one.
+          ``bug``): exceptions the ranks met, one per rank that met one, and OOM kills.
+        * ``oom_kills`` and ``oom_peak_rss_mb`` (the largest peak RSS of a rank the OOM killer ended).
         * ``ckpt_write_mb_s_mean``: mean over checkpoints of ``bytes / total_s`` in MB/s
           (from the start of a save until it was published).
         * ``tokens_per_s``: tokens of the final trajectory / ``useful_time_s``.
@@ -263,6 +264,7 @@ def summarize(events: list[Event]) -> dict[str, float | int | None]:
     """
     steps = final_steps(events)
     restarts = select(events, Restart)
+    ooms = [e for e in select(events, Failure) if e.kind == "oom"]
     ckpts = durable_checkpoints(events)
     local = [e.blocking_s for e in select(events, Checkpoint) if e.tier == "local"]
     recovery = [e.recovery_s for e in restarts]
@@ -282,6 +284,8 @@ def summarize(events: list[Event]) -> dict[str, float | int | None]:
             for category in FAILURE_CATEGORIES
         },
         **{f"restarts_{layer}": sum(e.layer == layer for e in restarts) for layer in RESTART_LAYERS},
+        "oom_kills": len(ooms),
+        "oom_peak_rss_mb": max((e.peak_rss_mb or 0.0 for e in ooms), default=None),
         "recovery_s_mean": statistics.fmean(recovery) if recovery else None,
         "recovery_s_p50": statistics.median(recovery) if recovery else None,
         "recovery_s_max": max(recovery, default=None),

@@ -263,8 +263,10 @@ class Failure(Event):
     peer or link lost; ``io``: an OS error known to be transient) or ``bug`` (``kind``
     ``exception``, or ``nonfinite_loss``: the loss turned NaN or Inf). A bug's ``occurrence``
     counts this rank's failures of the same ``error_type`` and ``origin`` at the same ``step``
-    in the session, this one included. Faults that never reach Python (a signal, an OOM kill, a
-    hang, a lost node) write none: they are infrastructure.
+    in the session, this one included. Or an OOM kill (infrastructure, ``kind`` ``oom``, with
+    ``peak_rss_mb``), which the rank cannot write: its worker does (``trainer.launch.worker``).
+    Other faults that never reach Python (a signal, a hang, a lost node) write none: they are
+    infrastructure.
     """
 
     KIND: ClassVar[str] = "failure"
@@ -280,14 +282,15 @@ class Failure(Event):
     step: int | None
     """The step the rank was in (None: before its first step)."""
     occurrence: int = 1
+    peak_rss_mb: float | None = None
+    """An ``oom``'s peak resident memory of the rank in MiB (the kernel's, as the rank's parent saw it end)."""
 
     def describe(self) -> str:
         """One line for a person: which failure, where and how it was taken."""
         at = f"step {self.step}" if self.step is not None else "start-up"
         again = f", occurrence {self.occurrence}" if self.occurrence > 1 else ""
-        return (
-            f"{self.category} failure ({self.kind}) at {at} on rank {self.rank}: {self.error} at {self.origin}{again}"
-        )
+        where = f" at {self.origin}" if self.origin else ""  # an OOM kill has no line of code
+        return f"{self.category} failure ({self.kind}) at {at} on rank {self.rank}: {self.error}{where}{again}"
 
 
 @dataclass(frozen=True, kw_only=True)

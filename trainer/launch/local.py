@@ -25,6 +25,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+from trainer import cgroup
 from trainer.checkpoint import local_tier_dir, local_tier_root
 from trainer.data.prepare import local_data
 from trainer.data.shards import DataError, data_vocab, load_manifest, verify_shards
@@ -116,7 +117,13 @@ def check_launch(cfg: TrainConfig, spec: LaunchSpec, *, verify_data: bool = True
         raise ParameterError(
             "world_size", f"{cfg.world_size} does not match nnodes x nproc_per_node = {spec.world_size}"
         )
-    parse_fault_spec(cfg.fault, steps=cfg.steps, world_size=cfg.world_size, nnodes=spec.nnodes)  # NODE < nnodes
+    faults = parse_fault_spec(cfg.fault, steps=cfg.steps, world_size=cfg.world_size, nnodes=spec.nnodes)
+    if any(f.kind == "oom" for f in faults) and cgroup.memory_limit(cgroup.memory_dir()) is None:
+        raise ParameterError(
+            "fault",
+            "oom needs a memory limit: run the job in a memory-limited cgroup (as a container is); "
+            "without one the rank would take the whole machine's memory",
+        )
     check_local_replicas(cfg, spec)
     import torch
 

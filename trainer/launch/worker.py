@@ -7,8 +7,14 @@ Example (what ``trainer.launch.local.worker_command`` puts after ``ft_launcher .
 It asks the node's zygote (``trainer.launch.zygote``: a process that has imported torch, NVRx and
 the trainer once) to fork a ready rank with this process's argv, environment, working directory
 and stdio, then stands in for that rank: it forwards SIGTERM / SIGINT to it and exits as it did.
-When no zygote answers (the job's first workers, or one still importing) it starts one in the
-background and execs the trainer itself, as a plain ``python -m trainer.rank.train`` would run.
+When no zygote answers (the job's first workers) it starts one in the background and waits
+until it listens: one import per node instead of one per rank. Only when no zygote can serve
+(no private folder for its socket, or one that fails to start) does it exec the trainer itself,
+as a plain ``python -m trainer.rank.train`` would run.
+
+A rank the kernel's OOM killer ended (SIGKILL, and one more OOM kill counted in this process's
+memory cgroup: ``trainer.cgroup``) is reported here, since the rank itself can write nothing: a
+``failure`` event of kind ``oom`` with its peak RSS, which the zygote learnt as its parent.
 
 The launcher's view is unchanged: this is the process it started, monitors and kills. Killing it
 (the launcher SIGKILLs a worker's process group to restart it) closes its connection, and the
@@ -25,6 +31,7 @@ Only the standard library is imported here: this runs before every rank.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -35,13 +42,18 @@ import stat
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+from trainer import cgroup
 from trainer.process import LAUNCHER_PID_ENV, die_with_parent, process_start_ticks, process_start_time
 
 TRAIN_MODULE = "trainer.rank.train"
 ZYGOTE_MODULE = "trainer.launch.zygote"
 _MAX_MESSAGE = 1 << 20  # a request (argv + environment) is a few KB
+ZYGOTE_START_S = 300.0
+"""The longest a worker waits for a zygote that is still importing (seconds of CPU on an idle
+machine; minutes where many jobs start at once) before it runs its rank itself."""
 
 
 SECRET_NAME = re.compile(r"KEY|SECRET|TOKEN|PASSW|CREDENTIAL", re.IGNORECASE)
@@ -110,17 +122,48 @@ def _connect(address: str) -> socket.socket | None:
     return sock
 
 
-def _start_zygote(address: str, agent_pid: int) -> None:
+def _start_zygote(address: str, agent_pid: int) -> subprocess.Popen:
     """Start the node's zygote in the background: its own session, so the launcher's kill of a
     worker's process group never reaches it; it ends when the agent does. A second one started
     meanwhile finds the first's lock and exits at once.
     """
-    subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-m", ZYGOTE_MODULE, address, str(agent_pid)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         start_new_session=True,  # stderr: the worker's log
     )
+
+
+def _zygote_alive(address: str) -> bool:
+    """Whether a zygote holds ``address``'s lock (it does from its start until it is gone)."""
+    try:
+        fd = os.open(lock_address(address), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _wait_for_zygote(address: str, started: subprocess.Popen) -> socket.socket | None:
+    """Connect to the zygote at ``address`` once it listens; None when none will (the one this
+    worker ``started`` failed, and no other holds the lock) or it took :data:`ZYGOTE_START_S`.
+    """
+    deadline = time.monotonic() + ZYGOTE_START_S
+    while time.monotonic() < deadline:
+        if (sock := _connect(address)) is not None:
+            return sock
+        if started.poll() is not None and (started.returncode != 0 or not _zygote_alive(address)):
+            if (sock := _connect(address)) is not None:  # it may have listened, served and gone meanwhile
+                return sock
+            return None
+        time.sleep(0.02)
+    return None
 
 
 def _exit_like(status: int) -> None:
@@ -165,6 +208,8 @@ def _serve_through(sock: socket.socket, args: list[str]) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
     die_with_parent()  # a launcher that is gone preempts the rank (SIGTERM, forwarded), as it did before
+    memory = cgroup.memory_dir()
+    kills_before = cgroup.oom_kills(memory)
     socket.send_fds(sock, [json.dumps(request_of(args, dict(os.environ))).encode()], [0, 1, 2])
     reply = json.loads(sock.recv(_MAX_MESSAGE) or b"{}")
     if "pid" not in reply:
@@ -186,7 +231,56 @@ def _serve_through(sock: socket.socket, args: list[str]) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(rank, signal.SIGKILL)
         sys.exit("rfsdp worker: the zygote ended before the rank")
-    _exit_like(json.loads(done)["status"])
+    ended = json.loads(done)
+    status = ended["status"]
+    if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
+        kills = cgroup.oom_kills(memory)
+        if kills is not None and kills_before is not None and kills > kills_before:
+            report_oom(args, ended.get("peak_rss_kb", 0) * 1024, cgroup.memory_limit(memory))
+    _exit_like(status)
+
+
+def report_oom(args: list[str], peak_rss: int, limit: int | None) -> None:
+    """Write the ``failure`` event (infrastructure, ``oom``) of a rank the OOM killer ended, to the
+    run directory in the rank's ``args``: its peak RSS and the step it was in (one past the last
+    step logged: the ranks step together). Best effort: the restart goes on regardless.
+    """
+    from trainer.events import EVENTS_FILE, EventLog, Failure, Step, parse_event_lines
+
+    run_dir = _flag(args, "--run-dir")
+    if run_dir is None:
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    step = None
+    with contextlib.suppress(OSError):
+        with open(Path(run_dir) / EVENTS_FILE, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - (1 << 16)))  # the tail: a long run's log is large
+            tail = f.read()
+        logged = [e.step for e in parse_event_lines(tail[tail.find(b"\n") + 1 :]) if isinstance(e, Step)]
+        step = max(logged) + 1 if logged else None
+    mib = peak_rss / (1 << 20)
+    within = f" of the {limit / (1 << 20):,.0f} MiB limit" if limit else ""
+    failure = Failure(
+        category="infrastructure",
+        kind="oom",
+        error_type="OOMKilled",
+        error=f"OOMKilled: the kernel's OOM killer ended rank {rank} (peak RSS {mib:,.0f} MiB{within})",
+        origin="",
+        step=step,
+        peak_rss_mb=round(mib, 1),
+    )
+    with contextlib.suppress(OSError):
+        EventLog(Path(run_dir), rank).emit(failure)
+
+
+def _flag(args: list[str], name: str) -> str | None:
+    """The value of ``name`` in ``args`` (``--name VALUE`` or ``--name=VALUE``), or None."""
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
 
 
 def main() -> None:
@@ -196,10 +290,8 @@ def main() -> None:
     os.environ[LAUNCHER_PID_ENV] = str(agent)  # a forked rank's parent is the zygote
     address = zygote_address(agent, os.environ.get("TORCHELASTIC_RUN_ID", ""))
     if address is not None:
-        sock = _connect(address)
-        if sock is None:
-            _start_zygote(address, agent)
-        else:
+        sock = _connect(address) or _wait_for_zygote(address, _start_zygote(address, agent))
+        if sock is not None:
             _serve_through(sock, args)
     os.execv(sys.executable, [sys.executable, "-m", TRAIN_MODULE, *args])
 

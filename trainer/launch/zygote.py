@@ -1,19 +1,18 @@
 """A node's pre-warmed worker: imports the trainer once, then forks a ready rank per request.
 
 Started by the first worker of an agent (``trainer.launch.worker``, which documents the client's
-side) as ``python -m trainer.launch.zygote ADDRESS AGENT_PID``. A restarted rank is then a fork of
-this process: it skips the interpreter's start and the imports (torch, DCP, NVRx, the trainer and
-``torch._dynamo``), seconds of CPU each time ft_launcher restarts its workers.
+side) as ``python -m trainer.launch.zygote ADDRESS AGENT_PID``. Every rank of that agent is then a
+fork of this process, the first ones and the restarted ones: it skips the interpreter's start and
+the imports (torch, DCP, NVRx, the trainer and ``torch._dynamo``), seconds of CPU per rank, paid
+once per node instead. As the ranks' parent, the zygote also learns how each ended, and its peak
+memory (``wait4``): what tells an OOM kill apart from another SIGKILL.
 
 What keeps a fork equal to a fresh interpreter:
 
 - The zygote only imports. It never runs a torch op, calls no CUDA API (the device is first
   touched in the rank) and has no thread of its own when it forks
   (an OpenMP or gloo pool would be inherited broken; OpenBLAS stops its pool around a fork by
-  itself). The imports run in a short-lived thread at the lowest CPU priority (Linux priorities are
-  per thread, and an unprivileged process cannot raise its own again): beside the job's first
-  ranks, which start at the same time, they take idle CPU, not the ranks'; the forks inherit the
-  main thread's normal priority.
+  itself).
 - The rank gets the client's argv, environment, working directory and stdio (passed with
   SCM_RIGHTS), leads a new session as torch elastic's workers do (its own children, such as the
   checkpoint writer's worker, stay in its process group), and exits through the interpreter's
@@ -44,13 +43,12 @@ import select
 import signal
 import socket
 import sys
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from trainer.launch.worker import TRAIN_MODULE, lock_address, peer_uid
-from trainer.process import lower_priority, process_start_time
+from trainer.process import process_start_time
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _MAX_MESSAGE = 1 << 20
@@ -91,22 +89,9 @@ class _Rank:
 
 
 def _preload() -> None:
-    """Import :data:`PRELOAD` in a thread at the lowest priority, and wait for it."""
-    failed: list[BaseException] = []
-
-    def load() -> None:
-        lower_priority()
-        try:
-            for name in PRELOAD:
-                __import__(name)
-        except BaseException as e:  # re-raised in the main thread
-            failed.append(e)
-
-    thread = threading.Thread(target=load, name="zygote-preload")
-    thread.start()
-    thread.join()
-    if failed:
-        raise failed[0]
+    """Import :data:`PRELOAD` (the node's workers wait for it: one import for all its ranks)."""
+    for name in PRELOAD:
+        __import__(name)
 
 
 def _lock(path: str) -> int | None:
@@ -239,11 +224,12 @@ def serve(address: str, agent_pid: int) -> Request | None:
                     conn.send(json.dumps({"pid": pid}).encode())
             elif isinstance(item, int):  # a rank ended
                 rank = ranks.pop(item)
-                _, status = os.waitpid(rank.pid, 0)
+                _, status, usage = os.wait4(rank.pid, 0)
                 os.close(rank.pidfd)
                 if rank.conn is not None:
+                    ended = {"status": status, "peak_rss_kb": usage.ru_maxrss}  # an OOM kill's size, told by the kernel
                     with contextlib.suppress(OSError):
-                        rank.conn.send(json.dumps({"status": status}).encode())
+                        rank.conn.send(json.dumps(ended).encode())
                     rank.conn.close()
             else:  # a client's connection closed: the launcher killed that worker, so the rank goes too
                 rank = next(r for r in ranks.values() if r.conn is item)

@@ -35,6 +35,8 @@ _HEADLINE = (
     ("recovery max (s)", "recovery_s_max", 1, 2),
     ("lost steps", "lost_steps", 1, 0),
     ("lost steps max per fault", "lost_steps_max", 1, 0),
+    ("OOM kills", "oom_kills", 1, 0),
+    ("OOM peak RSS (MiB)", "oom_peak_rss_mb", 1, 0),
     ("checkpoint stall p50 (s)", "ckpt_blocking_s_p50", 1, 3),
     ("checkpoint overhead (%)", "ckpt_overhead", 100, 2),
     ("final loss", "final_loss", 1, 4),
