@@ -49,7 +49,8 @@ from bench.common import (
     target,
 )
 from trainer.checkpoint import Checkpointer, SyncDcpWriter
-from trainer.data.shards import TokenLoader, load_split
+from trainer.data.loader import TokenLoader
+from trainer.data.shards import load_split
 from trainer.events import Checkpoint, EventLog, read_events, select
 from trainer.models.builtin import BuiltinModel, ModelSize, size_parameters
 from trainer.rank.resilience import AsyncCheckpointWriter, RankMonitor

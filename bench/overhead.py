@@ -52,7 +52,8 @@ from bench.common import (
     run_torchrun_trainer,
     target,
 )
-from trainer.data.shards import TokenLoader, load_split
+from trainer.data.loader import TokenLoader
+from trainer.data.shards import load_split
 from trainer.events import Step, read_events, select
 from trainer.models import MODEL_SIZES
 from trainer.rank.config import TrainConfig

@@ -46,6 +46,32 @@ def test_compiling_the_pipeline_needs_neither_torch_nor_the_trainer_runtime() ->
     assert proc.stdout.strip() == "[]"
 
 
+LAUNCH = """
+import sys
+import trainer.cli
+from trainer.launch import local
+from trainer.launch.spec import LaunchSpec
+from trainer.rank.config import TrainConfig
+cfg = TrainConfig(data=sys.argv[1], run_dir=sys.argv[2], world_size=2)
+local.check_launch(cfg, LaunchSpec())
+"""
+
+
+def test_launching_a_job_imports_no_torch(data_dir: Path, tmp_path: Path) -> None:
+    """The launcher (``rfsdp train``: the CLI, then every check before a process starts) never
+    imports torch: its ranks pay their own import, and each job start would pay seconds more."""
+    code = LAUNCH + "print('torch' in sys.modules)"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(data_dir), str(tmp_path / "run")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "False", proc.stdout[-1000:]
+
+
 # Files that name such paths on purpose.
 PURPOSEFUL = {
     "tests/integration/test_layout.py": "this test's own samples",

@@ -55,7 +55,7 @@ def first_step_loss(model_dir: Path, data: Path) -> float:
     """Step 1's loss as plain transformers computes it: the mean of both ranks' first batches."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.data.shards import TokenLoader
+    from trainer.data.loader import TokenLoader
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokens = load_split(data, "train")

@@ -14,9 +14,9 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from trainer.cli import main as rfsdp_main
+from trainer.data.loader import TokenLoader
 from trainer.data.prepare import prepare_dataset
 from trainer.data.shards import (
-    TokenLoader,
     builtin_corpus_text,
     data_vocab,
     load_manifest,

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainer.data.shards import TokenLoader
+from trainer.data.loader import TokenLoader
 from trainer.errors import ParameterError
 from trainer.events import Checkpoint, EventLog, Restart, RunWarning, read_events, summarize
 from trainer.launch import WORKSPACE_MOUNT

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from trainer.data.loader import TokenLoader
 from trainer.data.shards import (
     DataError,
-    TokenLoader,
     decode,
     encode,
     load_manifest,

@@ -9,9 +9,8 @@ import json
 import re
 from pathlib import Path
 
-from trainer.checkpoint.trust import MANIFEST
-
 CHECKPOINTS = "checkpoints"
+MANIFEST = "manifest.json"
 LATEST = "latest"
 _PUBLISHED = re.compile(r"^step_(\d{6})$")
 

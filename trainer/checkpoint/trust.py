@@ -30,7 +30,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-MANIFEST = "manifest.json"
+from trainer.checkpoint.layout import MANIFEST
+
 METADATA = ".metadata"
 SIGNING_KEY_ENV = "RFSDP_CHECKPOINT_KEY"
 """When set (from a secret), every manifest written is signed (HMAC-SHA256) with it, and every

@@ -111,6 +111,17 @@ def job_from_parameters(params: Mapping[str, Any], *, data: str, run_dir: str) -
         return cfg, spec
 
 
+def gpu_count() -> int:
+    """The GPUs this machine's processes see. Without an NVIDIA device node there are none, and
+    the launcher skips importing torch (seconds of CPU for every job started, its ranks pay their own).
+    """
+    if not any(Path("/dev").glob("nvidia[0-9]*")):
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def check_launch(cfg: TrainConfig, spec: LaunchSpec, *, verify_data: bool = True) -> None:
     """Everything that can be refused before a process starts; raises ValueError naming it."""
     if cfg.world_size != spec.world_size:
@@ -125,9 +136,7 @@ def check_launch(cfg: TrainConfig, spec: LaunchSpec, *, verify_data: bool = True
             "without one the rank would take the whole machine's memory",
         )
     check_local_replicas(cfg, spec)
-    import torch
-
-    gpus = torch.cuda.device_count()
+    gpus = gpu_count()
     if gpus and spec.nproc_per_node > gpus:
         raise ParameterError("nproc_per_node", f"{spec.nproc_per_node} does not fit this machine ({gpus} GPUs)")
     cpus = os.cpu_count() or 1

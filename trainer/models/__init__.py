@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainer.errors import ParameterError
-from trainer.models.sizes import MODEL_SIZES, ModelSize
+from trainer.models.sizes import MODEL_SIZES, ModelSize, size_parameters
 
 if TYPE_CHECKING:  # (importing this package must not import torch: the pipeline's definition reads it)
     from trainer.models.spec import ModelSpec
@@ -65,6 +65,9 @@ def check_model(name: str, *, cache: Path | None = None) -> ModelInfo:
     Raises:
         ParameterError: naming ``model``.
     """
+    if name in MODEL_SIZES:  # its shape says it all, without torch (the launcher never imports it)
+        size = MODEL_SIZES[name]
+        return ModelInfo(size.vocab_size, size.seq_len, size_parameters(size))
     spec = build_model(name, cache=cache, meta=True)
     check = getattr(spec, "check_weights", None)
     if check is not None and getattr(spec, "weights", None):
@@ -75,7 +78,5 @@ def check_model(name: str, *, cache: Path | None = None) -> ModelInfo:
 def parameter_count(name: str) -> int:
     """Parameters of the model ``name`` (a built-in size's from its shape, others' built on the meta device)."""
     if name in MODEL_SIZES:
-        from trainer.models.builtin import size_parameters
-
         return size_parameters(MODEL_SIZES[name])
     return check_model(name).parameters

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.models.sizes import MODEL_SIZES, ModelSize
+from trainer.models.sizes import MODEL_SIZES, ModelSize, size_parameters
 from trainer.models.spec import causal_lm_loss
 
 __all__ = ["MODEL_SIZES", "BuiltinModel", "ModelSize", "Transformer", "size_parameters"]
@@ -66,12 +66,6 @@ class Transformer(nn.Module):
         for block in self.blocks:
             x = block(x)
         return causal_lm_loss(self.head(self.norm(x)), targets)
-
-
-def size_parameters(size: ModelSize) -> int:
-    """Number of parameters of a model of this size (without building it)."""
-    per_block = 12 * size.dim * size.dim + 4 * size.dim
-    return size.layers * per_block + (2 * size.vocab_size + size.seq_len) * size.dim + 2 * size.dim
 
 
 class BuiltinModel:

@@ -23,3 +23,9 @@ MODEL_SIZES: dict[str, ModelSize] = {
     "large": ModelSize(dim=1024, layers=24, heads=16, seq_len=512),  # ~300M
     "1b": ModelSize(dim=2048, layers=18, heads=16, seq_len=1024),  # ~0.9B: GPUs
 }
+
+
+def size_parameters(size: ModelSize) -> int:
+    """Number of parameters of a model of this size (without building it)."""
+    per_block = 12 * size.dim * size.dim + 4 * size.dim
+    return size.layers * per_block + (2 * size.vocab_size + size.seq_len) * size.dim + 2 * size.dim

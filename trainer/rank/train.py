@@ -39,8 +39,9 @@ from trainer.checkpoint import (
     published_checkpoints,
     read_rank_state,
 )
+from trainer.data.loader import TokenLoader
 from trainer.data.prepare import local_data
-from trainer.data.shards import TokenLoader, load_split
+from trainer.data.shards import load_split
 from trainer.errors import FATAL_EXIT_CODE, ParameterError, non_transient_cause
 from trainer.events import (
     EventLog,

@@ -26,7 +26,8 @@ from trainer.checkpoint import (
     read_full_state,
     verify_checkpoint,
 )
-from trainer.data.shards import TokenLoader, load_split
+from trainer.data.loader import TokenLoader
+from trainer.data.shards import load_split
 from trainer.models.spec import ModelSpec
 from trainer.rank.config import TrainConfig
 from trainer.rank.runtime import build_unsharded
