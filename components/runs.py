@@ -342,11 +342,11 @@ def live_tracking(
         tags=mlflow_run_tags(
             training_run, backend=backend, pipeline_job=pipeline_job, pipeline_job_id=pipeline_job_id, image=image
         ),
-    ).start()
+    )
     try:
-        yield
+        with live:
+            yield
     finally:
-        live.close()
         if live.error:
             print(f"MLflow did not follow the training ({live.error}); the exit handler logs the whole run")
 

@@ -96,11 +96,10 @@ def _tracking(args: argparse.Namespace, run_dir: Path) -> Iterator[None]:
     from trainer.results.tracking import LiveLogger, TrackingError, check_tracking_uri, log_run, redact_uri
 
     check_tracking_uri(args.tracking_uri)
-    live = LiveLogger(run_dir, tracking_uri=args.tracking_uri, experiment=args.experiment).start()
     try:
-        yield
+        with LiveLogger(run_dir, tracking_uri=args.tracking_uri, experiment=args.experiment):
+            yield
     finally:
-        live.close()
         if (run_dir / EVENTS_FILE).is_file():
             try:
                 run_id = log_run(run_dir, tracking_uri=args.tracking_uri, experiment=args.experiment, retries=2)

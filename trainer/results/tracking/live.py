@@ -20,9 +20,13 @@ from trainer.results.tracking.runs import (
 )
 from trainer.results.tracking.uri import TrackingError, redact, resolve_tracking_uri, wait_for_server
 
+CLOSE_S = 10.0
+"""The most a closing logger waits for its last attempt: a server that is down costs no more."""
+
 
 class LiveLogger:
-    """Logs a run to MLflow while it trains, from a background thread of the launching process:
+    """Logs a run to MLflow while it trains, from a background thread of the launching process,
+    inside its ``with`` block:
     every ``interval_s``, the step, checkpoint and restart points of the events written since
     (MLflow steps are training steps; a redone step is a second point at its own time). The
     MLflow run is the one :func:`log_run` finds again by the run dir's identity, shown RUNNING
@@ -64,15 +68,15 @@ class LiveLogger:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="mlflow-live", daemon=True)
 
-    def start(self) -> LiveLogger:
+    def __enter__(self) -> LiveLogger:
         """Start following the run."""
         self._thread.start()
         return self
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Log what is left (one last attempt, at most ``timeout_s``) and stop."""
+    def __exit__(self, *exc: object) -> None:
+        """Log what is left (one last attempt, at most :data:`CLOSE_S`) and stop; never raises."""
         self._stop.set()
-        self._thread.join(timeout_s)
+        self._thread.join(CLOSE_S)
 
     def _loop(self) -> None:
         from mlflow.exceptions import MlflowException
