@@ -30,20 +30,18 @@ from trainer.events import (
     FaultFired,
     Restart,
     RunEnd,
-    RunHistory,
     RunStart,
     Step,
-    describe_restart,
     final_losses,
     parse_event_lines,
     read_events,
-    read_history,
     to_record,
 )
 from trainer.faults import parse_fault_spec
 from trainer.launch.local import STORE_PORT_SPAN, check_launch, free_port_base
 from trainer.launch.spec import LaunchSpec
 from trainer.rank.config import Timeouts, TrainConfig
+from trainer.rank.recovery import RunHistory, describe_restart, read_history
 from trainer.rank.train import lr_at
 
 
@@ -265,7 +263,7 @@ def test_launch_refuses_bad_input_before_starting(tmp_path: Path, data_dir: Path
 
 
 def test_recovery_layer() -> None:
-    from trainer.events import recovery_layer
+    from trainer.rank.recovery import recovery_layer
 
     crashed = [RunStart(config={}, resumed_from_step=0, world_size=2), Step(step=1, loss=1.0, step_time_s=0.1)]
     finished = [*crashed, RunEnd(status="stopped")]

@@ -48,15 +48,11 @@ from trainer.events import (
     Fatal,
     Restart,
     RunEnd,
-    RunHistory,
     RunStart,
     RunWarning,
     Step,
-    describe_restart,
     fatal_error,
     read_events,
-    read_history,
-    recovery_layer,
 )
 from trainer.faults import FaultInjector
 from trainer.models.spec import ModelSpec
@@ -65,6 +61,7 @@ from trainer.rank.config import Timeouts, TrainConfig, add_train_arguments, repl
 from trainer.rank.failures import Failures, check_loss, poison_parameters
 from trainer.rank.identity import check_run_dir
 from trainer.rank.preemption import Preemption
+from trainer.rank.recovery import RunHistory, describe_restart, read_history, recovery_layer
 from trainer.rank.resilience import (
     AsyncCheckpointWriter,
     Attempt,

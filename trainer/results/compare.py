@@ -301,7 +301,7 @@ def time_breakdown(runs: list[RunRecord]) -> pd.DataFrame:
       for the last save at the end, saves that failed.
 
     The parts do not overlap, with one exception: where ``recovery_s`` starts at the last step
-    before a fault (a fault written on another host, see ``trainer.events.describe_restart``), a
+    before a fault (a fault written on another host, see ``trainer.rank.recovery.describe_restart``), a
     save's stall right after that step is counted in both, and ``other`` is that much smaller.
     """
     rows = []
@@ -331,7 +331,7 @@ def time_breakdown(runs: list[RunRecord]) -> pd.DataFrame:
 def recovery_kind(restart: Restart, fault: FaultFired | None) -> str:
     """How the comparison counts a recovery (one of ``RECOVERY_LAYERS``): ``node`` after a node fault
     (``fault`` with a ``node``: the in-job restart that followed replaced it), otherwise the layer
-    the ``restart`` event names (unlike ``trainer.events.recovery_layer``, which tells an
+    the ``restart`` event names (unlike ``trainer.rank.recovery.recovery_layer``, which tells an
     attempt which layer brought it back).
     """
     return "node" if fault is not None and fault.node is not None else restart.layer
