@@ -55,7 +55,8 @@ from trainer.events import Checkpoint, EventLog, read_events, select
 from trainer.models.builtin import BuiltinModel, ModelSize, size_parameters
 from trainer.rank.resilience import AsyncCheckpointWriter, RankMonitor
 from trainer.rank.runtime import build_fsdp_model, detect_runtime, init_process_group, seed_everything, shard_model
-from trainer.rank.train import TrainState, train_step
+from trainer.rank.state import TrainState
+from trainer.rank.train import train_step
 
 METHODS = ("nvrx_async", "torch_save", "dcp_save", "dcp_async_save")
 REFERENCE = "torch_save"
@@ -86,7 +87,8 @@ class _CheckpointerMethod:
         )
         self.waited_after_save = 0.0
         """The next optimizer step's wait for the last save's background copy: stall (``copy_wait``)."""
-        state.optimizer.register_step_pre_hook(lambda *_: self._before_update())  # as the trainer does
+        # Where the trainer waits (train_step's wait_for_staging): before the update, after the backward.
+        state.optimizer.register_step_pre_hook(lambda *_: self._before_update())
 
     def _before_update(self) -> None:
         self.waited_after_save += self.ckpt.before_update()

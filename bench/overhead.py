@@ -59,7 +59,8 @@ from trainer.models import MODEL_SIZES
 from trainer.rank.config import TrainConfig
 from trainer.rank.resilience import RankMonitor
 from trainer.rank.runtime import build_fsdp_model, detect_runtime, init_process_group
-from trainer.rank.train import TrainState, lr_at, train_step
+from trainer.rank.state import TrainState
+from trainer.rank.train import lr_at, train_step
 
 BASE = {
     "resilient": "plain",

@@ -30,7 +30,8 @@ from trainer.launch.spec import LaunchSpec
 from trainer.rank.config import MODEL_SIZES, TrainConfig, replica_cliques
 from trainer.rank.resilience import LocalTier, RankMonitor, _pack, _unpack
 from trainer.rank.runtime import Runtime, build_fsdp_model
-from trainer.rank.train import TrainState, _local_shards, train_step
+from trainer.rank.state import TrainState, _local_shards
+from trainer.rank.train import train_step
 
 
 def snapshot_names(folder: Path) -> list[str]:

@@ -20,24 +20,21 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint import (
     CHECKPOINTS,
     Checkpointer,
     CheckpointWriter,
     SyncDcpWriter,
-    load_tensors,
     local_tier_dir,
     private_local_tier_root,
     published_checkpoints,
-    read_rank_state,
 )
 from trainer.data.loader import TokenLoader
 from trainer.data.prepare import local_data
@@ -55,7 +52,6 @@ from trainer.events import (
     read_events,
 )
 from trainer.faults import FaultInjector
-from trainer.models.spec import ModelSpec
 from trainer.process import die_with_parent, launcher_pid, process_start_time
 from trainer.rank.config import Timeouts, TrainConfig, add_train_arguments, replica_cliques
 from trainer.rank.failures import Failures, check_loss, poison_parameters
@@ -71,7 +67,8 @@ from trainer.rank.resilience import (
     replication_groups,
     run_restartable,
 )
-from trainer.rank.runtime import build_fsdp_model, detect_runtime, init_process_group, rng_state, set_rng_state
+from trainer.rank.runtime import build_fsdp_model, detect_runtime, init_process_group
+from trainer.rank.state import TrainState, resume
 from trainer.rank.system import start_system_sampler
 from trainer.storage.mirror import CheckpointMirror
 
@@ -125,122 +122,20 @@ def heartbeat_within_steps(units: list[torch.nn.Module], heartbeat: Callable[[],
         unit.register_forward_hook(after_forward)
 
 
-class TrainState:
-    """What a checkpoint holds: sharded model + optimizer, and each rank's loader, RNG, counters."""
-
-    def __init__(
-        self,
-        spec: ModelSpec,
-        optimizer: torch.optim.Optimizer,
-        loader: TokenLoader,
-        monitor: RankMonitor,
-        group: dist.ProcessGroup,
-    ) -> None:
-        self.spec, self.model = spec, spec.module
-        self.optimizer, self.loader, self.monitor, self.group = optimizer, loader, monitor, group
-        self._live_shards: dict | None = None
-        """The local tier's tensor state: :meth:`snapshot`'s tree of the live tensors, each DTensor
-        as this rank's shard; mapped once, mapped again after a restore (which may make new tensors)."""
-
-    def snapshot(self, step: int) -> tuple[dict, dict]:
-        """(tensor state for DCP, this rank's small state)."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}, self.snapshot_rank_state(step)
-
-    def snapshot_rank_state(self, step: int) -> dict:
-        """This rank's small state: step, loader position, RNG, rank monitor."""
-        return {
-            "step": step,
-            "loader": self.loader.state_dict(),
-            "rng": rng_state(),
-            "rank_monitor": self.monitor.state_dict(),
-        }
-
-    def load(self, path: Path) -> None:
-        """Restore everything from a published checkpoint directory."""
-        load_tensors(self.model, self.optimizer, path, self.group)
-        self._live_shards = None
-        self._load_rank_state(read_rank_state(path, dist.get_rank()))  # verified against the manifest as read
-
-    def local_snapshot(self, step: int) -> dict:
-        """What :meth:`snapshot` holds, with this rank's shards as plain local tensors (the
-        local tier's snapshot: it is only ever loaded back by the same rank of the same world).
-        The tensors are the live ones, which the tier copies at once. Training updates them in
-        place, so DCP maps the model and optimizer to them once (a fixed cost per call, most of a
-        small model's snapshot); only the optimizer's hyperparameters (the learning rate changes
-        every step) are read again.
-        """
-        if self._live_shards is None:
-            tensors, rank_state = self.snapshot(step)  # (DCP makes the optimizer's state if it has none yet)
-            self._live_shards = _local_shards(tensors)
-        else:
-            rank_state = self.snapshot_rank_state(step)
-            for saved, live in zip(
-                self._live_shards["optim"]["param_groups"], self.optimizer.param_groups, strict=True
-            ):
-                saved.update((k, v) for k, v in live.items() if k != "params")  # "params": the names DCP mapped them to
-        return {"tensors": self._live_shards, "rank": rank_state}
-
-    def restore(self, snapshot: dict) -> None:
-        """Restore everything from what :meth:`local_snapshot` returned."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)  # the live shards, to copy into
-        template = _copy_shards_into({"model": model_sd, "optim": optim_sd}, snapshot["tensors"])
-        set_state_dict(
-            self.model, self.optimizer, model_state_dict=template["model"], optim_state_dict=template["optim"]
-        )
-        self._live_shards = None  # loading may give the optimizer new tensors
-        self._load_rank_state(snapshot["rank"])
-
-    def _load_rank_state(self, rank_state: dict) -> None:
-        self.loader.load_state_dict(rank_state["loader"])
-        set_rng_state(rank_state["rng"])
-        self.monitor.load_state_dict(rank_state["rank_monitor"])
-
-
-def _local_shards(tree: object) -> object:
-    """``tree`` with every DTensor replaced by this rank's shard of it."""
-    if isinstance(tree, dict):
-        return {k: _local_shards(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_local_shards(v) for v in tree]
-    return tree.to_local() if isinstance(tree, DTensor) else tree
-
-
-def _copy_shards_into(template: object, saved: object) -> object:
-    """``template`` (a state dict of live shards) with the values of ``saved`` (its
-    :func:`_local_shards` form) copied in, tensors in place; returns it.
-    """
-    if isinstance(template, dict):
-        return {k: _copy_shards_into(v, saved[k]) for k, v in template.items()}
-    if isinstance(template, list):
-        return [_copy_shards_into(v, s) for v, s in zip(template, saved, strict=True)]
-    if isinstance(template, torch.Tensor):
-        (template.to_local() if isinstance(template, DTensor) else template).copy_(saved)
-        return template
-    return saved
-
-
-def resume(checkpointer: Checkpointer, local: LocalTier | None, state: TrainState) -> tuple[int, str]:
-    """Restore the newest complete state every rank can load: the local tier's (each rank's own
-    snapshot, else a peer's replica of it) when it is newer than the durable checkpoint, else the
-    durable one. Returns its step (0: none) and source (``local``, ``peer`` or ``durable``).
-    """
-    durable = checkpointer.find_latest()
-    newest_local, source = local.find_latest() if local is not None else (0, "local")
-    if newest_local > durable:
-        state.restore(local.load(newest_local))
-        return newest_local, source
-    if durable:  # an older one when a shard of that one is found stale as it loads
-        durable = checkpointer.load(durable, state.load)
-    return durable, "durable"
-
-
 def train_step(
-    state: TrainState, lr: float, grad_clip: float, device: torch.device, *, accum: int = 1, stop: bool = False
+    state: TrainState,
+    lr: float,
+    grad_clip: float,
+    device: torch.device,
+    *,
+    accum: int = 1,
+    stop: bool = False,
+    wait_for_staging: Callable[[], object] | None = None,
 ) -> tuple[float, bool]:
     """One optimizer step over ``accum`` micro-batches; returns the loss averaged over all ranks
     (exact float) and whether any rank asked to ``stop`` (agreed in the loss's all-reduce: no
-    extra collective per step).
+    extra collective per step). ``wait_for_staging``: called before the update, which must not
+    change the state an async save is still copying (it copies beside this forward and backward).
     """
     for group in state.optimizer.param_groups:
         group["lr"] = lr
@@ -255,6 +150,8 @@ def train_step(
         micro_loss.backward()
         loss = micro_loss.detach() if accum == 1 else loss + micro_loss.detach()
     torch.nn.utils.clip_grad_norm_(state.model.parameters(), grad_clip)
+    if wait_for_staging is not None:
+        wait_for_staging()
     state.optimizer.step()
     state.optimizer.zero_grad(set_to_none=True)
     total = torch.stack([loss.detach().float(), torch.tensor(float(stop), device=loss.device)])
@@ -281,24 +178,33 @@ class ProgressLines:
             print(done.describe(self.last, self.restarts), flush=True)
 
 
-def train(
-    cfg: TrainConfig,
-    writer: CheckpointWriter,
-    mirror: CheckpointMirror | None,
-    preemption: Preemption,
-    startup: dict[str, float],
-    attempt: Attempt,
-) -> None:
-    """One attempt of the training function (``mirror``: rank 0's, if any; ``startup``: when
-    this process's start-up stages ended, unix times). An error no restart can fix, and a
-    suspected bug past its retries (``trainer.rank.failures``), end the job here, before
+@dataclass(frozen=True)
+class ProcessParts:
+    """What a rank's process makes once and every attempt of the training function uses: they
+    survive an in-process restart (``mirror``: rank 0's, if any; ``startup``: when this process's
+    start-up stages ended, unix times).
+    """
+
+    cfg: TrainConfig
+    writer: CheckpointWriter
+    mirror: CheckpointMirror | None
+    preemption: Preemption
+    startup: dict[str, float]
+
+
+def train(parts: ProcessParts, attempt: Attempt) -> None:
+    """One attempt of the training function: build, train, close. An error no restart can fix,
+    and a suspected bug past its retries (``trainer.rank.failures``), end the job here, before
     in-process restart could retry them; every other failure is recorded and restarted.
     """
+    cfg = parts.cfg
     failures = Failures(
         Path(cfg.run_dir), int(os.environ.get("RANK", 0)), max_bug_retries=cfg.max_bug_retries, job=_job_id()
     )
     try:
-        _train(cfg, writer, mirror, preemption, startup, attempt, failures)
+        trainer = Trainer.build(parts, attempt, failures)
+        trainer.train()
+        trainer.close()
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         if (cause := non_transient_cause(e)) is not None:
             end_job_fatally(Path(cfg.run_dir), cause)
@@ -345,171 +251,217 @@ def _job_id() -> str:
     return os.environ.get("TORCHELASTIC_RUN_ID", "")
 
 
-def _train(
-    cfg: TrainConfig,
-    writer: CheckpointWriter,
-    mirror: CheckpointMirror | None,
-    preemption: Preemption,
-    startup: dict[str, float],
-    attempt: Attempt,
-    failures: Failures,
-) -> None:
-    marks = dict(startup)  # a recovery's timeline (the restart event's phases): when each stage ended
-    launched = marks.pop("launcher_started")  # what a start's timeline (run_start's phases) counts from
-    if (
-        attempt.store_port is not None
-    ):  # the wrapper's monitor process, store and barrier: every rank is in this attempt
-        marks["wrapper_ready"] = time.time()
-    rt = detect_runtime()
-    marks["runtime"] = (
-        time.time()
-    )  # the device and deterministic kernels (a new process imports torch._dynamo here: seconds)
-    timeouts = Timeouts(cfg.hang_timeout, cfg.inprocess_restart)
-    store = make_store(attempt, timeouts.barrier)
-    if store is not None:  # every rank has joined this attempt's store
-        marks["store"] = time.time()
-    with attempt.connections.recording():  # an in-process restart's abort cuts them
-        init_process_group(rt, store, timeouts.collective)
-        marks["default_group"] = time.time()
-        # Checkpoint collectives get their own gloo groups: they must never interleave with FSDP's.
-        # Resume waits while rank 0 verifies checksums: a long timeout. An async save's collectives in
-        # the loop are quick polls: they time out like training's, so a peer that faulted never holds
-        # this rank past in-process restart's soft timeout. A sync save waits there for the slowest write.
-        ckpt_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeouts.barrier))
-        save_timeout = timeouts.collective if writer.mode == "async" else timeouts.barrier
-        save_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=save_timeout))
-    marks["process_group"] = time.time()
-    run_dir = Path(cfg.run_dir)
-    events = EventLog(run_dir, rt.rank)
-    history = read_history(run_dir) if rt.rank == 0 else RunHistory()
-    layer = recovery_layer(
-        history, in_process_attempt=attempt.in_process_attempt, in_job_restart=attempt.in_job_restart
-    )
+class Trainer:
+    """One attempt of the training function on this rank, in three calls: :meth:`build` (process
+    groups, model, optimizer, data, tiers, resume), :meth:`train` (the loop) and :meth:`close`
+    (the end of the session, or of this node's part in it). What it builds lives as long as the
+    attempt: an in-process restart builds it again, around the same :class:`ProcessParts`.
+    """
 
-    monitor = RankMonitor()
-    marks["rank_monitor"] = time.time()
-    spec = build_fsdp_model(
-        cfg.model, rt, cfg.seed, activation_checkpointing=cfg.activation_checkpointing, cache=run_dir / "model_cache"
-    )
-    model, seq_len = spec.module, cfg.seq_len or spec.seq_len
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    loader = TokenLoader(
-        load_split(local_data(cfg.data, run_dir), "train"), seq_len, cfg.batch_size, rt.rank, rt.world_size
-    )
-    state = TrainState(spec, optimizer, loader, monitor, ckpt_group)
-    local = None
-    if cfg.local_ckpt_every:
-        tier_dir = local_tier_dir(run_dir, cfg.trajectory_hash())
+    def __init__(self, parts: ProcessParts, attempt: Attempt, failures: Failures) -> None:
+        self.parts, self.cfg, self.attempt, self.failures = parts, parts.cfg, attempt, failures
+        self.run_dir = Path(parts.cfg.run_dir)
+        self.marks = dict(parts.startup)  # a recovery's timeline (the restart event's phases): when each stage ended
+        self.launched = self.marks.pop("launcher_started")  # what a start's timeline (run_start's phases) counts from
+
+    @classmethod
+    def build(cls, parts: ProcessParts, attempt: Attempt, failures: Failures) -> Trainer:
+        """Everything this attempt trains with, resumed from the newest complete state."""
+        self = cls(parts, attempt, failures)
+        self._join()
+        self._build_state()
+        self._build_checkpointing()
+        self._resume()
+        return self
+
+    def _join(self) -> None:
+        """The device, this attempt's store and the process groups; what rank 0 reads of the run."""
+        cfg, attempt, marks = self.cfg, self.attempt, self.marks
+        if attempt.store_port is not None:  # the wrapper's monitor process, store and barrier: every rank is in
+            marks["wrapper_ready"] = time.time()
+        self.rt = rt = detect_runtime()
+        marks["runtime"] = time.time()  # the device and deterministic kernels (a new process imports torch._dynamo)
+        self.timeouts = timeouts = Timeouts(cfg.hang_timeout, cfg.inprocess_restart)
+        store = make_store(attempt, timeouts.barrier)
+        if store is not None:  # every rank has joined this attempt's store
+            marks["store"] = time.time()
+        with attempt.connections.recording():  # an in-process restart's abort cuts them
+            init_process_group(rt, store, timeouts.collective)
+            marks["default_group"] = time.time()
+            # Checkpoint collectives get their own gloo groups: they must never interleave with FSDP's.
+            # Resume waits while rank 0 verifies checksums: a long timeout. An async save's collectives in
+            # the loop are quick polls: they time out like training's, so a peer that faulted never holds
+            # this rank past in-process restart's soft timeout. A sync save waits there for the slowest write.
+            self.ckpt_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeouts.barrier))
+            self.save_timeout = timeouts.collective if self.parts.writer.mode == "async" else timeouts.barrier
+            self.save_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.save_timeout))
+        marks["process_group"] = time.time()
+        self.events = EventLog(self.run_dir, rt.rank)
+        self.history = read_history(self.run_dir) if rt.rank == 0 else RunHistory()
+        self.layer = recovery_layer(
+            self.history, in_process_attempt=attempt.in_process_attempt, in_job_restart=attempt.in_job_restart
+        )
+        self.monitor = RankMonitor()
+        marks["rank_monitor"] = time.time()
+
+    def _build_state(self) -> None:
+        """The sharded model, its optimizer, the data, the local tier and the faults to fire."""
+        cfg, rt, run_dir = self.cfg, self.rt, self.run_dir
+        self.spec = build_fsdp_model(
+            cfg.model,
+            rt,
+            cfg.seed,
+            activation_checkpointing=cfg.activation_checkpointing,
+            cache=run_dir / "model_cache",
+        )
+        model, self.seq_len = self.spec.module, cfg.seq_len or self.spec.seq_len
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        loader = TokenLoader(
+            load_split(local_data(cfg.data, run_dir), "train"), self.seq_len, cfg.batch_size, rt.rank, rt.world_size
+        )
+        self.state = TrainState(self.spec, optimizer, loader, self.monitor, self.ckpt_group)
+        self.local = self._local_tier() if cfg.local_ckpt_every else None
+        self.faults = FaultInjector(
+            cfg.faults,
+            run_dir,
+            rt.rank,
+            self.events,
+            local_newest=self.local.newest_own if self.local else None,
+            poison=partial(poison_parameters, model),
+        )
+        self.marks["model_built"] = time.time()
+
+    def _local_tier(self) -> LocalTier | None:
+        """The local tier, unless some rank cannot use its node's root (then no rank does)."""
+        cfg, rt = self.cfg, self.rt
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size))
         nnodes = rt.world_size // per_node
         cliques = replica_cliques(nnodes, per_node, cfg.replicas(nnodes))
-        with attempt.connections.recording():
-            replication = replication_groups(cliques, resume_timeout_s=timeouts.barrier, save_timeout_s=save_timeout)
-        if (refused := local_tier_refused(ckpt_group)) is None:
-            local = LocalTier(
-                tier_dir,
-                every=cfg.local_ckpt_every,
-                group=ckpt_group,
-                save_group=save_group,
-                events=events,
-                replication=replication,
+        with self.attempt.connections.recording():
+            replication = replication_groups(
+                cliques, resume_timeout_s=self.timeouts.barrier, save_timeout_s=self.save_timeout
             )
-        elif rt.rank == 0:
-            events.emit(
-                RunWarning(kind="local_tier_off", step=0, reason=f"{refused}; training goes on with the durable tier")
-            )
-    faults = FaultInjector(
-        cfg.faults,
-        run_dir,
-        rt.rank,
-        events,
-        local_newest=local.newest_own if local else None,
-        poison=partial(poison_parameters, model),
-    )
-    marks["model_built"] = time.time()
-
-    def heartbeat() -> None:  # to both hang detectors: ft_launcher's rank monitor, the in-process wrapper
-        monitor.heartbeat()
-        attempt.heartbeat()
-
-    heartbeat_within_work = throttled_heartbeat(heartbeat)
-    heartbeat_within_steps(spec.fsdp_units(), heartbeat_within_work)
-
-    checkpointer = Checkpointer(
-        run_dir,
-        writer=writer,
-        group=ckpt_group,
-        save_group=save_group,
-        events=events,
-        every=cfg.ckpt_every,
-        keep_last=cfg.keep_last,
-        fingerprint=cfg.trajectory_hash(),
-        heartbeat=heartbeat_within_work,
-        hang_timeout=cfg.hang_timeout,
-        on_published=mirror.submit if mirror else None,
-        on_phase=faults.maybe_fire,
-        atomic=attempt.atomic,
-    )
-
-    def before_update(*_: object) -> None:  # (a step pre-hook returns None)
-        checkpointer.before_update()
-
-    # An async save copies the state while the next step's forward and backward run: its update waits for the copy.
-    optimizer.register_step_pre_hook(before_update)
-    if mirror is not None and not published_checkpoints(checkpointer.root):  # a fresh machine: resume from the mirror
-        mirror.restore(fingerprint=cfg.trajectory_hash(), world_size=rt.world_size)
-    start, source = resume(checkpointer, local, state)
-    marks["resumed"] = time.time()
-    if rt.rank == 0 and layer is None:  # (layer is only known on rank 0, which writes these events)
-        phases = {k: t - launched for k, t in marks.items()}
-        events.emit(RunStart(config=cfg.to_dict(), resumed_from_step=start, world_size=rt.world_size, phases=phases))
-
-    last = cfg.stop_at_step or cfg.steps
-    tokens_per_step = cfg.batch_size * seq_len * cfg.grad_accum_steps * rt.world_size
-    progress = ProgressLines(cfg.log_every, last, history.restarts_in_session)
-    # A fault anywhere below ends this attempt; what it was saving is never published (the
-    # writer abandons it when the next attempt's group arrives) and that one resumes from the
-    # newest complete state (:func:`resume`).
-    step, stop = start, False
-    for step in range(start + 1, last + 1):
-        failures.step = step
-        faults.maybe_fire(step)
-        t0 = time.perf_counter()
-        loss, stop = train_step(
-            state, lr_at(cfg, step), cfg.grad_clip, rt.device, accum=cfg.grad_accum_steps, stop=preemption.requested
+        if (refused := local_tier_refused(self.ckpt_group)) is not None:
+            if rt.rank == 0:
+                reason = f"{refused}; training goes on with the durable tier"
+                self.events.emit(RunWarning(kind="local_tier_off", step=0, reason=reason))
+            return None
+        return LocalTier(
+            local_tier_dir(self.run_dir, cfg.trajectory_hash()),
+            every=cfg.local_ckpt_every,
+            group=self.ckpt_group,
+            save_group=self.save_group,
+            events=self.events,
+            replication=replication,
         )
-        step_time = time.perf_counter() - t0
-        heartbeat()
-        check_loss(step, loss)  # a NaN or Inf loss is a bug: this step is neither logged nor saved
-        if rt.rank == 0:
-            done = events.emit(Step(step=step, loss=loss, step_time_s=step_time, tokens=tokens_per_step))
-            restart = (
-                events.emit(
-                    describe_restart(
-                        history, layer=layer, resumed_from=start, first_step=done, marks=marks, source=source
-                    )
-                )
-                if layer and step == start + 1
-                else None
+
+    def _build_checkpointing(self) -> None:
+        """The heartbeats from within work, and the durable checkpointer."""
+        heartbeat_within_work = throttled_heartbeat(self.heartbeat)
+        heartbeat_within_steps(self.spec.fsdp_units(), heartbeat_within_work)
+        mirror = self.parts.mirror
+        self.checkpointer = Checkpointer(
+            self.run_dir,
+            writer=self.parts.writer,
+            group=self.ckpt_group,
+            save_group=self.save_group,
+            events=self.events,
+            every=self.cfg.ckpt_every,
+            keep_last=self.cfg.keep_last,
+            fingerprint=self.cfg.trajectory_hash(),
+            heartbeat=heartbeat_within_work,
+            hang_timeout=self.cfg.hang_timeout,
+            on_published=mirror.submit if mirror else None,
+            on_phase=self.faults.maybe_fire,
+            atomic=self.attempt.atomic,
+        )
+
+    def _resume(self) -> None:
+        """Restore the newest complete state (from the mirror on a fresh machine); rank 0 writes
+        ``run_start`` for a fresh or deliberate start (a recovery writes ``restart`` at its first step).
+        """
+        cfg, rt, mirror = self.cfg, self.rt, self.parts.mirror
+        if mirror is not None and not published_checkpoints(self.checkpointer.root):
+            mirror.restore(fingerprint=cfg.trajectory_hash(), world_size=rt.world_size)
+        self.start, self.source = resume(self.checkpointer, self.local, self.state)
+        self.marks["resumed"] = time.time()
+        if rt.rank == 0 and self.layer is None:  # (layer is only known on rank 0, which writes these events)
+            phases = {k: t - self.launched for k, t in self.marks.items()}
+            start = RunStart(
+                config=cfg.to_dict(), resumed_from_step=self.start, world_size=rt.world_size, phases=phases
             )
-            progress.show(done, restart)
-        checkpointer.step(step, partial(state.snapshot, step), last=step == last or stop)  # last: waits until published
-        if stop:
-            break
-        if local is not None and step != last:  # the last step is durable already
-            local.step(step, partial(state.local_snapshot, step))
-    monitor.stop()
-    status = "preempted" if stop else "completed" if last == cfg.steps else "stopped"
-    if local is not None:
-        local.finish()  # the write in flight: done and agreed on
-        if status == "completed":  # a run stopped or preempted may be resumed
-            local.remove()
-    leaving = preemption.settle(ckpt_group, step) if stop else None
-    if rt.rank == 0 and leaving is not None:  # the session goes on once the replacements join
-        events.emit(leaving)
-    elif rt.rank == 0:
-        events.emit(RunEnd(status=status, step=step, saved_step=checkpointer.saved_step))
-    dist.destroy_process_group()
+            self.events.emit(start)
+
+    def heartbeat(self) -> None:
+        """To both hang detectors: ft_launcher's rank monitor, the in-process wrapper."""
+        self.monitor.heartbeat()
+        self.attempt.heartbeat()
+
+    def train(self) -> None:
+        """The loop: a step, its record, the checkpoint tiers. A fault anywhere in it ends this
+        attempt; what it was saving is never published (the writer abandons it when the next
+        attempt's group arrives) and that one resumes from the newest complete state.
+        """
+        cfg, rt, state = self.cfg, self.rt, self.state
+        self.last = last = cfg.stop_at_step or cfg.steps
+        tokens_per_step = cfg.batch_size * self.seq_len * cfg.grad_accum_steps * rt.world_size
+        progress = ProgressLines(cfg.log_every, last, self.history.restarts_in_session)
+        self.step, self.stop = self.start, False
+        for step in range(self.start + 1, last + 1):
+            self.step = step
+            self.failures.step = step
+            self.faults.maybe_fire(step)
+            t0 = time.perf_counter()
+            loss, self.stop = train_step(
+                state,
+                lr_at(cfg, step),
+                cfg.grad_clip,
+                rt.device,
+                accum=cfg.grad_accum_steps,
+                stop=self.parts.preemption.requested,
+                wait_for_staging=self.checkpointer.before_update,
+            )
+            step_time = time.perf_counter() - t0
+            self.heartbeat()
+            check_loss(step, loss)  # a NaN or Inf loss is a bug: this step is neither logged nor saved
+            if rt.rank == 0:
+                done = self.events.emit(Step(step=step, loss=loss, step_time_s=step_time, tokens=tokens_per_step))
+                progress.show(done, self._restart_done(done) if step == self.start + 1 else None)
+            last_save = step == last or self.stop  # waits until published
+            self.checkpointer.step(step, partial(state.snapshot, step), last=last_save)
+            if self.stop:
+                break
+            if self.local is not None and step != last:  # the last step is durable already
+                self.local.step(step, partial(state.local_snapshot, step))
+
+    def _restart_done(self, first_step: Step) -> Restart | None:
+        """Rank 0, at the first step of a recovered attempt: its ``restart`` event."""
+        if not self.layer:
+            return None
+        restart = describe_restart(
+            self.history,
+            layer=self.layer,
+            resumed_from=self.start,
+            first_step=first_step,
+            marks=self.marks,
+            source=self.source,
+        )
+        return self.events.emit(restart)
+
+    def close(self) -> None:
+        """The end: the local tier's last write, the session's end (or this node's leaving)."""
+        self.monitor.stop()
+        status = "preempted" if self.stop else "completed" if self.last == self.cfg.steps else "stopped"
+        if self.local is not None:
+            self.local.finish()  # the write in flight: done and agreed on
+            if status == "completed":  # a run stopped or preempted may be resumed
+                self.local.remove()
+        leaving = self.parts.preemption.settle(self.ckpt_group, self.step) if self.stop else None
+        if self.rt.rank == 0 and leaving is not None:  # the session goes on once the replacements join
+            self.events.emit(leaving)
+        elif self.rt.rank == 0:
+            self.events.emit(RunEnd(status=status, step=self.step, saved_step=self.checkpointer.saved_step))
+        dist.destroy_process_group()
 
 
 def main(
@@ -561,13 +513,13 @@ def main(
     preemption.install()
     start_system_sampler(Path(cfg.run_dir), cfg.system_metrics_every)  # per process: it outlives in-process restarts
     startup["set_up"] = time.time()  # this process's own set-up (the checks above, the writer, the handlers)
+    parts = ProcessParts(cfg, writer, mirror, preemption, startup)
     try:
         if cfg.inprocess_restart:
             timeouts = Timeouts(cfg.hang_timeout, True)
-            restartable = partial(train, cfg, writer, mirror, preemption, startup)
-            run_restartable(restartable, timeouts, cuda=cuda, max_restarts=cfg.max_inprocess_restarts)
+            run_restartable(partial(train, parts), timeouts, cuda=cuda, max_restarts=cfg.max_inprocess_restarts)
         else:
-            train(cfg, writer, mirror, preemption, startup, Attempt())
+            train(parts, Attempt())
     except BaseException:
         # A failing rank leaves at once: the launcher restarts the job as soon as it is gone. Its
         # background writer dies with it (PDEATHSIG) and what it was writing is never published;
