@@ -100,7 +100,9 @@ def print_run_summary(run_dir: Path) -> None:
     events = read_events(run_dir)
     losses = final_losses(events)
     console = Console()
-    table = Table(title=f"run {run_dir}")
+    # A path as a table title wraps mid-word at the table's width; a line of its own stays whole.
+    console.print(f"run {run_dir}", soft_wrap=True, highlight=False)
+    table = Table()
     table.add_column("what")
     table.add_column("value", justify="right")
     if losses:
