@@ -29,10 +29,13 @@ check: setup
 	$(PY) -m pytest -q -ra tests/unit
 
 # Everything (CI): import contracts, then every test tier this machine can run (tests/unit,
-# tests/integration, tests/e2e), the 30 slowest listed.
+# tests/integration, tests/e2e), the 30 slowest listed. Two pytest workers (pytest-xdist), each
+# taking whole files: most tests wait on jobs, servers and timeouts part of the time, and a file's
+# module fixtures are made once.
+TEST_WORKERS ?= 2
 test: setup
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -ra --durations=30
+	$(PY) -m pytest -q -ra --durations=30 -n $(TEST_WORKERS) --dist loadfile
 
 # The in-flight-save fault stress alone, 20 runs (half of them beside busy loops on every core).
 stress: setup

@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -69,11 +69,31 @@ def need_a_mount_namespace() -> None:
         pytest.skip(f"no mount namespace here: {probe.stderr.strip()}")
 
 
+def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]) -> Path:
+    """The folder ``name`` that ``make`` fills once per test session, also when pytest-xdist splits
+    the session across workers: the first worker to ask makes it under a file lock in the folder
+    the workers share, the others wait for it and read it. Only for what tests read, never change.
+    """
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # each worker's temp folder is one level under the session's
+    path, made = base / name, base / f"{name}.made"
+    with FileLock(base / f"{name}.lock"):
+        if not made.exists():
+            shutil.rmtree(path, ignore_errors=True)  # a worker that failed while making it
+            path.mkdir(parents=True)
+            make(path)
+            made.touch()
+    return path
+
+
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("data")
-    prepare_tokens(builtin_corpus_text(), out, source=BUILTIN_CORPUS)
-    return out
+    return made_once(
+        tmp_path_factory, "data", lambda out: prepare_tokens(builtin_corpus_text(), out, source=BUILTIN_CORPUS)
+    )
 
 
 def rfsdp(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -142,19 +162,20 @@ def tier_of(run: Path) -> Path:
 @pytest.fixture(scope="session")
 def baseline_60(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An uninterrupted 60-step run (checkpoints every 10): the reference trajectory."""
-    run = tmp_path_factory.mktemp("baseline") / "run"
-    train(data_dir, run, "--steps", "60")
-    return run
+    return made_once(tmp_path_factory, "baseline", lambda d: train(data_dir, d / "run", "--steps", "60")) / "run"
 
 
 @pytest.fixture(scope="session")
 def sync_resumed_60(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The reference trajectory with sync checkpoints, stopped at step 30 and resumed to 60."""
-    run = tmp_path_factory.mktemp("sync_resumed") / "run"
-    train(data_dir, run, "--steps", "60", "--stop-at-step", "30", "--ckpt-mode", "sync")
-    assert max(losses(run)) == 30
-    train(data_dir, run, "--steps", "60", "--ckpt-mode", "sync")
-    return run
+
+    def make(folder: Path) -> None:
+        run = folder / "run"
+        train(data_dir, run, "--steps", "60", "--stop-at-step", "30", "--ckpt-mode", "sync")
+        assert max(losses(run)) == 30
+        train(data_dir, run, "--steps", "60", "--ckpt-mode", "sync")
+
+    return made_once(tmp_path_factory, "sync_resumed", make) / "run"
 
 
 S3_SECRET = "rfsdp-test-secret-never-logged"
@@ -278,6 +299,11 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowSe
 @pytest.fixture(scope="session")
 def faulty_run(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 30-step run with an in-process (exception) and an in-job (SIGKILL) recovery."""
-    run = tmp_path_factory.mktemp("faulty") / "async-faults"
-    train(data_dir, run, "--steps", "30", "--fault", "exception@12:1,sigkill@22:0")
-    return run
+    return (
+        made_once(
+            tmp_path_factory,
+            "faulty",
+            lambda d: train(data_dir, d / "async-faults", "--steps", "30", "--fault", "exception@12:1,sigkill@22:0"),
+        )
+        / "async-faults"
+    )
