@@ -300,6 +300,8 @@ def run_pytorchjob(
         )
     except BaseException as e:  # cancelled, timed out, or the job vanished: leave nothing behind
         if isinstance(e, RuntimeError) and isinstance(e.__cause__, ApiException) and e.__cause__.status == 404:
+            # Its pods stop after it (SIGTERM: they checkpoint), and the run dir is theirs until then.
+            _wait_for_pods_gone(tc, job, namespace, log)
             _print_events(tc, name, namespace, log)  # events outlive the job: who stopped it and when
             raise JobFailed(f"{KIND} {namespace}/{name} was deleted while it ran (its events are above)") from e
         _delete_quietly(tc, job, log)
@@ -413,6 +415,29 @@ def _print_events(tc: TrainingClient, name: str, namespace: str, log: Callable[[
     log(f"--- events of {KIND} {namespace}/{name} (latest {len(rows)})\n" + "\n".join(rows))
 
 
+def _grace_s(job: models.KubeflowOrgV1PyTorchJob) -> float:
+    """The longest its pods may take to stop once asked: their grace period, and 15 s to spare."""
+    return 15 + max(
+        r.template.spec.termination_grace_period_seconds or 30 for r in job.spec.pytorch_replica_specs.values()
+    )
+
+
+def _wait_for_pods_gone(
+    tc: TrainingClient, job: models.KubeflowOrgV1PyTorchJob, namespace: str, log: Callable[[str], None]
+) -> None:
+    """Wait until no pod of ``job`` is left (at most :func:`_grace_s`); best effort."""
+    selector, deadline = f"training.kubeflow.org/job-name={job.metadata.name}", time.monotonic() + _grace_s(job)
+    while time.monotonic() < deadline:
+        try:
+            if not tc.core_api.list_namespaced_pod(namespace, label_selector=selector).items:
+                return
+        except Exception as e:  # noqa: BLE001 (a failed look must not hide the job's failure)
+            log(f"(could not list the pods of {job.metadata.name}: {e})")
+            return
+        time.sleep(1)
+    log(f"pods of {KIND} {namespace}/{job.metadata.name} are still stopping after {_grace_s(job):g} s")
+
+
 def _delete_quietly(tc: TrainingClient, job: models.KubeflowOrgV1PyTorchJob, log: Callable[[str], None]) -> None:
     """Delete the job and wait until it is gone (at most its pods' grace period + 15 s).
     Foreground propagation keeps the job object until every pod has stopped (SIGTERM: the ranks
@@ -420,9 +445,7 @@ def _delete_quietly(tc: TrainingClient, job: models.KubeflowOrgV1PyTorchJob, log
     may release it.
     """
     name, namespace = job.metadata.name, job.metadata.namespace or tc.namespace
-    wait_s = 15 + max(
-        r.template.spec.termination_grace_period_seconds or 30 for r in job.spec.pytorch_replica_specs.values()
-    )
+    wait_s = _grace_s(job)
     try:
         tc.delete_job(name, namespace, delete_options=k8s.V1DeleteOptions(propagation_policy="Foreground"))
     except Exception as e:  # noqa: BLE001 (already gone is fine; report anything else)
