@@ -9,6 +9,7 @@ restarts such a process starts it with ``untagged_env()``.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import time
@@ -36,8 +37,10 @@ def tagged_processes(tag: str, pending: frozenset[int] = frozenset()) -> tuple[l
             continue
         try:
             environ = (entry / "environ").read_bytes()
-        except OSError:  # gone meanwhile, or not ours to read
+        except FileNotFoundError:  # gone meanwhile
             continue
+        except OSError:  # not ours to read, or in the middle of exec: looked at as blank
+            environ = b""
         pid = int(entry.name)
         if not alive(pid):
             continue
@@ -70,11 +73,16 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def kill_tagged(tag: str, *, rounds: int = 20) -> list[int]:
-    """SIGKILL every process carrying ``tag`` (again, while some fork as they die); returns them."""
+def kill_tagged(tag: str, *, rounds: int = 20, pending_s: float = 30) -> list[int]:
+    """SIGKILL every process carrying ``tag`` (again, while some fork as they die); returns them.
+
+    Up to ``rounds`` scans while some are found; past them, scans go on (for ``pending_s`` in all)
+    while a process may still be in its exec: on a loaded machine an exec can take seconds.
+    """
     killed: list[int] = []
     exec_pending: list[int] = []
-    for _ in range(rounds):
+    deadline = time.monotonic() + pending_s
+    for scan in itertools.count():
         pids, exec_pending = tagged_processes(tag, frozenset(exec_pending))
         if not pids and not exec_pending:
             break
@@ -84,6 +92,8 @@ def kill_tagged(tag: str, *, rounds: int = 20) -> list[int]:
             except ProcessLookupError:
                 continue
             killed.append(pid)
+        if (scan + 1 >= rounds and not exec_pending) or time.monotonic() > deadline:
+            break
         time.sleep(0.05)
     return killed
 
