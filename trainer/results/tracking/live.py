@@ -94,8 +94,6 @@ class LiveLogger:
                 return
 
     def _flush(self) -> None:
-        from mlflow.entities import RunTag
-
         if self._origin is None and self._waiting:
             self._origin = self._waiting[0].time
         points = metric_points(self._waiting, totals=False, done_before=self._done_before, origin=self._origin)
@@ -108,17 +106,18 @@ class LiveLogger:
             events_path = self.run_dir / EVENTS_FILE
             key = run_key(events_path)  # ValueError until the run_start is written: tried again
             start = int(self._waiting[0].time * 1000)
-            self.run_id, found = find_or_create_run(
-                client, self.uri, self.experiment, RUN_KEY_TAG, key, run_name=self.run_name, start_time=start
+            # A new run is tagged as it is made (log_run finds it again by its key), never after.
+            tags = {**source_tags(), **self.tags, "rfsdp.run_dir": str(self.run_dir.resolve())}
+            self.run_id, _ = find_or_create_run(
+                client,
+                self.uri,
+                self.experiment,
+                RUN_KEY_TAG,
+                key,
+                run_name=self.run_name,
+                start_time=start,
+                tags=tags,
             )
-            if found is None:  # a new run: tagged, so that log_run finds it again
-                run_tags = {
-                    **source_tags(),
-                    **self.tags,
-                    RUN_KEY_TAG: key,
-                    "rfsdp.run_dir": str(self.run_dir.resolve()),
-                }
-                client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in run_tags.items()])
         log_points(client, self.run_id, points)
         self._done_before = max([self._done_before, *(e.step for e in self._waiting if isinstance(e, Step))])
         self._waiting = []

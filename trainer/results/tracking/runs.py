@@ -369,12 +369,14 @@ def find_or_create_run(
     *,
     run_name: str,
     start_time: int | None = None,
+    tags: dict[str, str] | None = None,
 ) -> tuple[str, Run | None]:
     """The run of ``experiment`` (created when missing) tagged ``tag`` = ``value``, else a new one
     named ``run_name`` that starts at ``start_time`` (ms; default: now). The new run carries the tag
-    from its creation, in the same request: an outage before the caller's next request cannot leave
-    a run that the next attempt fails to find (and duplicates). Where the environment names an
-    MLflow run (:func:`_parent_run`), the run is searched and made under it, in its experiment.
+    (and ``tags``) from its creation, in the same request: an outage before the caller's next
+    request cannot leave a run that the next attempt fails to find (and duplicates), or one without
+    its tags. Where the environment names an MLflow run (:func:`_parent_run`), the run is searched
+    and made under it, in its experiment.
 
     Returns:
         The run id, and the run found (``None`` when it was created).
@@ -384,7 +386,7 @@ def find_or_create_run(
     found = client.search_runs([experiment_id], filter_string=f"tags.`{tag}` = '{value}'", max_results=1)
     if found:
         return found[0].info.run_id, found[0]
-    tags = {tag: value, **({PARENT_RUN_TAG: parent.info.run_id} if parent is not None else {})}
+    tags = {**(tags or {}), tag: value, **({PARENT_RUN_TAG: parent.info.run_id} if parent is not None else {})}
     return client.create_run(experiment_id, start_time=start_time, tags=tags, run_name=run_name).info.run_id, None
 
 
