@@ -87,10 +87,9 @@ class _CheckpointerMethod:
         )
         self.waited_after_save = 0.0
         """The next optimizer step's wait for the last save's background copy: stall (``copy_wait``)."""
-        # Where the trainer waits (train_step's wait_for_staging): before the update, after the backward.
-        state.optimizer.register_step_pre_hook(lambda *_: self._before_update())
 
-    def _before_update(self) -> None:
+    def before_update(self) -> None:
+        """``train_step``'s ``wait_for_staging``, as in the trainer: after the backward, before the update."""
         self.waited_after_save += self.ckpt.before_update()
 
     def save(self, step: int) -> None:
@@ -230,7 +229,8 @@ def worker(args: argparse.Namespace) -> None:
         nonlocal step
         step += 1
         t0 = time.perf_counter()
-        train_step(state, 1e-4, 1.0, rt.device)
+        wait = method.before_update if isinstance(method, _CheckpointerMethod) else None
+        train_step(state, 1e-4, 1.0, rt.device, wait_for_staging=wait)
         done = method.done(step) if method is not None else True
         return time.perf_counter() - t0, done
 

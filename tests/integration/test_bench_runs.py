@@ -55,15 +55,33 @@ def _finite(value: object) -> bool:
     return isinstance(value, int | float) and math.isfinite(value)
 
 
-@pytest.mark.timeout(1500)
-@pytest.mark.parametrize("name", list(EXPECTED))
-def test_quick_benchmark_writes_json(name: str, tmp_path: Path) -> None:
-    out = tmp_path / "results" / "bench.json"
-    options = ("--ckpts-per-fault", "3") if name == "soak" else ()  # the soak's own option on its way through
-    proc = rfsdp("bench", name, "--quick", *options, "--json", str(out), "--work", str(tmp_path / "work"), timeout=1400)
+@pytest.fixture(scope="module")
+def quick_all(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    """One `rfsdp bench all --quick` run (the benchmarks share its data): its output and JSON."""
+    root = tmp_path_factory.mktemp("bench")
+    out = root / "results" / "bench.json"
+    # --ckpts-per-fault: the soak's own option on its way through `all`
+    proc = rfsdp(
+        "bench",
+        "all",
+        "--quick",
+        "--ckpts-per-fault",
+        "3",
+        "--json",
+        str(out),
+        "--work",
+        str(root / "work"),
+        timeout=2700,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert name in proc.stdout  # the table was printed
-    results = json.loads(out.read_text())
+    return proc.stdout, json.loads(out.read_text())
+
+
+@pytest.mark.timeout(3000)
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_quick_benchmark_writes_json(name: str, quick_all: tuple[str, dict]) -> None:
+    stdout, results = quick_all
+    assert f"{name} (quick)" in stdout  # the table was printed
     assert results["quick"] is True
     assert results["machine"]["cpus"] >= 1 and results["command"].startswith("rfsdp bench")
     bench = results["benchmarks"][name]
