@@ -426,7 +426,8 @@ def _wait_for_pods_gone(
     tc: TrainingClient, job: models.KubeflowOrgV1PyTorchJob, namespace: str, log: Callable[[str], None]
 ) -> None:
     """Wait until no pod of ``job`` is left (at most :func:`_grace_s`); best effort."""
-    selector, deadline = f"training.kubeflow.org/job-name={job.metadata.name}", time.monotonic() + _grace_s(job)
+    selector, wait_s = f"training.kubeflow.org/job-name={job.metadata.name}", _grace_s(job)
+    deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         try:
             if not tc.core_api.list_namespaced_pod(namespace, label_selector=selector).items:
@@ -435,7 +436,7 @@ def _wait_for_pods_gone(
             log(f"(could not list the pods of {job.metadata.name}: {e})")
             return
         time.sleep(1)
-    log(f"pods of {KIND} {namespace}/{job.metadata.name} are still stopping after {_grace_s(job):g} s")
+    log(f"pods of {KIND} {namespace}/{job.metadata.name} are still stopping after {wait_s:g} s")
 
 
 def _delete_quietly(tc: TrainingClient, job: models.KubeflowOrgV1PyTorchJob, log: Callable[[str], None]) -> None:
