@@ -47,6 +47,7 @@ from trainer.events import (
 )
 from trainer.launch.local import free_port
 from trainer.rank.config import Timeouts
+from trainer.rank.pace import PACE_FLOOR_S, STEP_SECTION
 from trainer.rank.resilience import CollectiveConnections
 
 
@@ -115,6 +116,24 @@ def test_each_fault_loses_at_most_one_step_with_the_local_tier(
     assert (restart.layer, restart.source) == (layer, "local"), restart
     assert restart.lost_steps <= 1 and restart.resumed_from_step == int(step) - 1 - restart.lost_steps
     assert losses(faulted_run_local) == losses(baseline_60)
+
+
+def test_a_hang_is_found_by_the_step_watch_at_the_runs_pace(faulted_run: FaultedRun) -> None:
+    """The hung rank's step outlasted its watch (a multiple of the run's recent step times, at least
+    the floor, below the 10 s heartbeat timeout): the rank monitor ended it for that, with no
+    heartbeat timeout reached. The exception's in-process restart (above) was not taken for a hang.
+    """
+    log = "".join(p.read_text() for p in sorted((faulted_run.run / "logs").glob("replica_*.log")))
+    watches = [
+        (float(open_s), float(watch))
+        for open_s, watch in re.findall(
+            rf"Section '{STEP_SECTION}' has been open for ([\d.]+) seconds\. Timeout is ([\d.]+) seconds\.", log
+        )
+    ]
+    assert watches, log[-3000:]  # one per rank: both were inside step 34, one hung, one waiting on it
+    heartbeat_timeout = Timeouts(10.0, inprocess=True).heartbeat  # the run's default hang timeout
+    assert all(PACE_FLOOR_S <= watch < heartbeat_timeout and open_s > watch for open_s, watch in watches), watches
+    assert "Did not get subsequent heartbeat" not in log
 
 
 def test_rank_0_prints_progress_and_each_restart(faulted_run: FaultedRun) -> None:

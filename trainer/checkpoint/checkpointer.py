@@ -428,6 +428,9 @@ class Checkpointer:
         if self.rank == 0:
             with self.atomic():  # local and short: another rank's fault must not cut a publication in half
                 self._publish_and_report(pending)
+        # The others wait here, not in the next step: a step is timed and watched at the run's pace
+        # (trainer.rank.pace), and rank 0's publication is no part of it.
+        dist.barrier(group=self.group)
 
     def write_bound(self) -> float | None:
         """How long the loop waits for a background write before the writer counts as hung:

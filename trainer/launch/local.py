@@ -38,6 +38,7 @@ from trainer.models import ModelInfo, check_model, parameter_count
 from trainer.process import die_with_parent, process_start_ticks
 from trainer.rank.config import Timeouts, TrainConfig, replica_cliques
 from trainer.rank.identity import check_run_dir
+from trainer.rank.pace import STEP_SECTION
 from trainer.storage.store import StorageError
 
 DEFAULT_RDZV_PORT = 29400
@@ -58,6 +59,10 @@ def worker_command(cfg: TrainConfig, ft_launcher: str = "ft_launcher") -> list[s
         f"{t.initial_heartbeat:g}",
         "--ft-rank-heartbeat-timeout",
         f"{t.heartbeat:g}",
+        "--ft-rank-section-timeouts",
+        f"{STEP_SECTION}:none",  # each rank watches its steps at the run's pace (trainer.rank.pace)
+        "--ft-workload-check-interval",
+        "0.1",  # a watch that ran out is acted on within 0.1 s (NVRx's default: 5 s)
         "--ft-enable-nic-monitor",
         "false",
         "--monitor-interval",

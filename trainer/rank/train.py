@@ -301,7 +301,7 @@ class Trainer:
         self.layer = recovery_layer(
             self.history, in_process_attempt=attempt.in_process_attempt, in_job_restart=attempt.in_job_restart
         )
-        self.monitor = RankMonitor()
+        self.monitor = RankMonitor(ceiling=timeouts.heartbeat, atomic=attempt.atomic)
         marks["rank_monitor"] = time.time()
 
     def _build_state(self) -> None:
@@ -410,18 +410,19 @@ class Trainer:
         for step in range(self.start + 1, last + 1):
             self.step = step
             self.failures.step = step
-            self.faults.maybe_fire(step)
-            t0 = time.perf_counter()
-            loss, self.stop = train_step(
-                state,
-                lr_at(cfg, step),
-                cfg.grad_clip,
-                rt.device,
-                accum=cfg.grad_accum_steps,
-                stop=self.parts.preemption.requested,
-                wait_for_staging=self.checkpointer.before_update,
-            )
-            step_time = time.perf_counter() - t0
+            with self.monitor.step(timed=step > self.start + 1):  # watched at the run's pace
+                self.faults.maybe_fire(step)
+                t0 = time.perf_counter()
+                loss, self.stop = train_step(
+                    state,
+                    lr_at(cfg, step),
+                    cfg.grad_clip,
+                    rt.device,
+                    accum=cfg.grad_accum_steps,
+                    stop=self.parts.preemption.requested,
+                    wait_for_staging=self.checkpointer.before_update,
+                )
+                step_time = time.perf_counter() - t0
             self.heartbeat()
             check_loss(step, loss)  # a NaN or Inf loss is a bug: this step is neither logged nor saved
             if rt.rank == 0:
@@ -517,7 +518,13 @@ def main(
     try:
         if cfg.inprocess_restart:
             timeouts = Timeouts(cfg.hang_timeout, True)
-            run_restartable(partial(train, parts), timeouts, cuda=cuda, max_restarts=cfg.max_inprocess_restarts)
+            run_restartable(
+                partial(train, parts),
+                timeouts,
+                cuda=cuda,
+                max_restarts=cfg.max_inprocess_restarts,
+                on_abort=RankMonitor.relax,
+            )
         else:
             train(parts, Attempt())
     except BaseException:

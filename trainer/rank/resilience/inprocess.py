@@ -21,12 +21,14 @@ PORT_BASE_ENV = "RFSDP_PORT_BASE"
 class _AbortAttempt(inprocess.abort.Abort):
     """NVRx's abort for an in-process restart, preceded by cutting the attempt's gloo connections."""
 
-    def __init__(self, connections: CollectiveConnections) -> None:
+    def __init__(self, connections: CollectiveConnections, on_abort: Callable[[], None]) -> None:
         self._connections = connections
+        self._on_abort = on_abort
         self._torch = inprocess.abort.AbortTorchDistributed()
 
     def __call__(self, state: inprocess.state.FrozenState) -> inprocess.state.FrozenState:
         try:
+            self._on_abort()
             cut = self._connections.cut()
             print(
                 f"rank {state.rank}: in-process restart: cut {cut} connections of the attempt's groups",
@@ -71,12 +73,20 @@ def wrapper_timeouts(timeouts: Timeouts) -> dict[str, datetime.timedelta]:
     }
 
 
-def run_restartable(train_fn: Callable[[Attempt], None], timeouts: Timeouts, *, cuda: bool, max_restarts: int) -> None:
+def run_restartable(
+    train_fn: Callable[[Attempt], None],
+    timeouts: Timeouts,
+    *,
+    cuda: bool,
+    max_restarts: int,
+    on_abort: Callable[[], None] = lambda: None,
+) -> None:
     """Run ``train_fn`` inside NVRx's ``inprocess.Wrapper``: a Python exception or a stuck rank
     restarts it in the same processes with a fresh store and process group, at most
     ``max_restarts`` times. Faults it cannot handle (a killed process, a rank stuck in C code past
     the hard timeout, one restart too many) end the processes and ft_launcher's in-job restart
-    takes over.
+    takes over. ``on_abort`` runs first in each abort, while the wrapper holds the attempt's
+    ``atomic`` (the step watch ends there: the restart's time is no step's).
     """
     base = _port_base()
     connections = CollectiveConnections()
@@ -89,7 +99,7 @@ def run_restartable(train_fn: Callable[[Attempt], None], timeouts: Timeouts, *, 
         store_factory=_WrapperStore,
         store_kwargs={"port": base, "timeout": datetime.timedelta(seconds=timeouts.barrier)},
         health_check=inprocess.health_check.CudaHealthCheck() if cuda else None,
-        abort=_AbortAttempt(connections),
+        abort=_AbortAttempt(connections, on_abort),
         **wrapper_timeouts(timeouts),
     )
 
