@@ -8,7 +8,10 @@
 
 Measured from the run's ``events.jsonl``, the same way for every method: from the ``fault`` event
 to the first step completed after it, and the steps lost (completed before the fault, redone after).
-A SIGKILL cannot be handled in-process: its ``inprocess`` cell is absent.
+A SIGKILL or a hang (a rank blocked inside C) cannot be handled in-process: their ``inprocess``
+cells are absent, and ``ft_injob`` is then the default stack (``rfsdp train``), in-process
+restart included. A hang has no ``torchrun`` cell: nothing there finds it, and the rank waiting
+on the hung one holds the job until its collective's timeout (60 s at the default).
 """
 
 from __future__ import annotations
@@ -34,14 +37,14 @@ from trainer.events import Event, FaultFired, Restart, read_events, select
 from trainer.rank.config import TrainConfig
 
 METHODS = ("inprocess", "ft_injob", "torchrun", "cold")
-FULL = {"faults": ("exception", "sigkill"), "reps": 2, "steps": 16, "ckpt_every": 5, "fault_step": 13}
+FULL = {"faults": ("exception", "sigkill", "hang"), "reps": 2, "steps": 16, "ckpt_every": 5, "fault_step": 13}
 QUICK = {"faults": ("exception",), "reps": 1, "steps": 8, "ckpt_every": 3, "fault_step": 6}
 FAULT_RANK = 1  # rank 0 hosts the wrapper's store: losing it always needs the in-job layer
 
 
 def applies(method: str, fault: str) -> bool:
-    """In-process restart recovers soft faults only."""
-    return not (method == "inprocess" and fault == "sigkill")
+    """In-process restart recovers soft faults only; torchrun finds no hang."""
+    return not ((method == "inprocess" and fault in ("sigkill", "hang")) or (method == "torchrun" and fault == "hang"))
 
 
 def measure_recovery(events: list[Event]) -> dict:
@@ -128,6 +131,10 @@ def run(quick: bool, work: Path, data: Path) -> dict:
                 f"in-job recovery / cold restart ({fault}) <= 0.25", methods["ft_injob"][fault]["ratio_vs_cold"], 0.25
             )
         )
+    if "hang" in params["faults"]:  # found by the step watch at the run's pace (docs/recovery.md, "Hangs")
+        hang = methods["ft_injob"]["hang"]
+        targets.append(target("hang: fault -> next step <= 3 s (default stack)", hang["recovery_s"], 3.0))
+        targets.append(target("hang: steps lost <= 1 (default stack)", hang["lost_steps"], 1.0))
     return {
         "benchmark": "recovery",
         "params": {**params, "model": "tiny", "ranks": 2, "fault_rank": FAULT_RANK, "ckpt_mode": "async"},
