@@ -193,7 +193,8 @@ def claim_fault(run_dir: Path, key: str) -> bool:
 class FaultInjector:
     """Fires this rank's scheduled faults at their steps, once per run, or every time for the
     kinds of :data:`EVERY_TIME` (``local_newest``: this rank's own newest local snapshot, once
-    written, which ``corrupt-local`` hits; ``poison``: turns this rank's parameters NaN, for ``nan``).
+    written, which ``corrupt-local`` hits; ``poison``: turns this rank's parameters NaN, for ``nan``;
+    ``unwatch``: ends the step's watch, for ``oom``).
     """
 
     def __init__(
@@ -205,12 +206,14 @@ class FaultInjector:
         *,
         local_newest: Callable[[], Path] | None = None,
         poison: Callable[[], None] | None = None,
+        unwatch: Callable[[], None] = lambda: None,
     ) -> None:
         self.pending = {(f.step, f.phase): f for f in faults if isinstance(f, Fault) and f.rank == rank}
         self.run_dir = Path(run_dir)
         self.events = events
         self.local_newest = local_newest
         self.poison = poison
+        self.unwatch = unwatch
 
     def maybe_fire(self, step: int, phase: str = "") -> None:
         """Fire the fault scheduled for ``step`` (and the save ``phase``) on this rank, unless it
@@ -250,6 +253,9 @@ class FaultInjector:
             for tmp in (self.run_dir / "checkpoints").glob(f"step_{step:06d}.tmp*"):
                 shutil.rmtree(tmp, ignore_errors=True)
         if fault.kind == "oom":
+            # Filling the limit takes seconds: the step watch (trainer.rank.pace) would end the rank
+            # before the kernel's OOM killer does, and the kill to report is the kernel's.
+            self.unwatch()
             exhaust_memory()
         if fault.kind == "hang":
             while True:  # blocked inside C (the sleep syscall), as a stuck kernel or driver would be

@@ -291,6 +291,32 @@ def test_a_step_slower_than_the_hang_timeout_is_not_a_hang(data_dir: Path, tmp_p
     assert [e.status for e in select(events, RunEnd)] == ["completed"]
 
 
+def test_steps_slowed_by_a_busy_machine_midway_are_not_taken_for_hangs(data_dir: Path, tmp_path: Path) -> None:
+    """The step watch is set from a quiet start (the small model), then a busy loop starts on every
+    core: the watched steps slow down, and none is taken for a hang (the watch is a multiple of the
+    slowest recent step, at least 1.5 s)."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trainer.cli", "train", "--data", str(data_dir), "--run-dir", str(run)]
+    cmd += ["--model", "small", "--steps", "14", "--ckpt-every", "7", "--local-ckpt-every", "0"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline, quiet_until = time.monotonic() + 300, 5  # steps 2-4 are timed, so step 5 is watched
+    while max((e.step for e in read_events(run, [Step]) if isinstance(e, Step)), default=0) < quiet_until:
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    with busy_loops(os.cpu_count() or 1):
+        _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    steps = select(read_events(run), Step)
+    assert restarts(run) == [] and [e.step for e in steps] == list(range(1, 15))
+    quiet = max(e.step_time_s for e in steps if 1 < e.step <= quiet_until)
+    assert max(e.step_time_s for e in steps if e.step > quiet_until + 1) > quiet  # the load did slow them
+    log = "".join(p.read_text() for p in sorted((run / "logs").glob("replica_*.log")))
+    watched = [int(n) for n in re.findall(r"^rank \d: (\d+) steps watched at the run's pace", log, re.MULTILINE)]
+    # Step 6, the first beside the loops, was watched at the quiet pace (a watch that would reach
+    # the heartbeat timeout is not set: on a slow machine the later ones may not be).
+    assert len(watched) == 2 and min(watched) >= 2, log[-3000:]
+
+
 def test_sigterm_preempts_the_whole_job_gracefully(data_dir: Path, tmp_path: Path) -> None:
     """A scheduler stops `rfsdp train` with SIGTERM: every rank finishes its step, the step reached
     is checkpointed, the run ends `preempted`, the command exits 0, and no process is left."""

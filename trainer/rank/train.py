@@ -328,6 +328,7 @@ class Trainer:
             self.events,
             local_newest=self.local.newest_own if self.local else None,
             poison=partial(poison_parameters, model),
+            unwatch=self.monitor.unwatch,
         )
         self.marks["model_built"] = time.time()
 
@@ -451,6 +452,13 @@ class Trainer:
 
     def close(self) -> None:
         """The end: the local tier's last write, the session's end (or this node's leaving)."""
+        if self.monitor.watched:
+            print(
+                f"rank {self.rt.rank}: {self.monitor.watched} steps watched at the run's pace, "
+                f"the last within {self.monitor.watch_s:.2f} s",
+                file=sys.stderr,
+                flush=True,
+            )
         self.monitor.stop()
         status = "preempted" if self.stop else "completed" if self.last == self.cfg.steps else "stopped"
         if self.local is not None:

@@ -128,6 +128,17 @@ class RankMonitor:
         if timed:
             self.pace.record(time.perf_counter() - began)
 
+    @property
+    def watch_s(self) -> float | None:
+        """The step watch last set, in seconds (None: no step watched yet in this attempt)."""
+        return self._watch
+
+    def unwatch(self) -> None:
+        """End the watch of the step in progress: what follows in it is not the step's own time."""
+        if self._client is not None:
+            with self._atomic():
+                self._client.end_all_sections()
+
     def _set_watch(self, seconds: float) -> None:
         # A message only when the watch moves by a tenth: most steps send none.
         if self._watch is not None and abs(seconds - self._watch) <= 0.1 * self._watch:
