@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check (NCCL + bf16 + NVRx's CUDA async-checkpoint path + one fault of each recovery layer,
+# GPU check (NCCL + bf16 + NVRx's CUDA async-checkpoint path + one fault of each recovery layer and a hang,
 # then a Llama-style Hugging Face model from its weights in bf16 with a fault).
 # Sized for one GPU in under 5 minutes. Usage: scripts/gpu_check.sh [OUT_DIR]
 # Prints a JSON line of figures at the end and exits non-zero if any check fails.
@@ -19,8 +19,8 @@ echo "== baseline: async checkpoints, no faults"
 $RFSDP train "${common[@]}" --run-dir "$OUT/baseline"
 echo "== sync checkpoints (stall baseline)"
 $RFSDP train "${common[@]}" --run-dir "$OUT/sync" --ckpt-mode sync
-echo "== exception (in-process restart) then SIGKILL (in-job restart)"
-$RFSDP train "${common[@]}" --run-dir "$OUT/faults" --fault exception@15:0,sigkill@35:0
+echo "== exception (in-process restart), SIGKILL (in-job restart), then a hang (the step watch, in-job restart)"
+$RFSDP train "${common[@]}" --run-dir "$OUT/faults" --fault exception@15:0,sigkill@35:0,hang@50:$((NPROC > 1 ? 1 : 0))
 echo "== a Llama-style HF model (~100M) from saved weights, bf16, a SIGKILL, exported"
 $PY -c "
 import sys, torch
@@ -44,12 +44,12 @@ same = final_losses(ev["faults"]) == final_losses(ev["baseline"])
 steps = [e.step_time_s for e in select(ev["baseline"], Step)]
 report = {"async_median_blocking_s": stall["baseline"], "sync_median_blocking_s": stall["sync"],
           "stall_ratio": stall["baseline"] / stall["sync"], "restarts": restarts,
-          "trajectory_identical_after_faults": same, "median_step_s": statistics.median(steps),
+          "trajectory_identical_after_faults": same, "hang_recovery_s": restarts[-1][1] if len(restarts) == 3 else None, "median_step_s": statistics.median(steps),
           "hf_median_step_s": statistics.median(e.step_time_s for e in select(ev["hf_baseline"], Step)),
           "hf_restarts": [e.layer for e in select(ev["hf_faults"], Restart)],
           "hf_max_loss_diff_after_fault": max(abs(a - b) for a, b in zip(final_losses(ev["hf_faults"]).values(), final_losses(ev["hf_baseline"]).values())),
           "hf_valid": json.loads((out / "hf_validate.json").read_text())["valid"]}
 print(json.dumps(report))
-assert [layer for layer, _, _ in restarts] == ["in_process", "in_job"], restarts
+assert [layer for layer, _, _ in restarts] == ["in_process", "in_job", "in_job"], restarts
 assert report["hf_restarts"] == ["in_job"] and report["hf_valid"], report
 PY
