@@ -11,7 +11,7 @@ from types import ModuleType
 
 from rich.console import Console
 
-from bench import checkpoint, goodput, load, overhead, recovery, soak
+from bench import checkpoint, crossover, goodput, load, overhead, recovery, soak
 from bench.common import DEFAULT_WORK, ensure_data, machine, write_json
 
 BENCHMARKS: dict[str, ModuleType] = {
@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, ModuleType] = {
     "goodput": goodput,
     "soak": soak,
     "load": load,
+    "crossover": crossover,
 }
 
 

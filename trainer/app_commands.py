@@ -93,7 +93,7 @@ def add_app_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "which",
-        choices=["checkpoint", "recovery", "overhead", "goodput", "soak", "load", "all"],
+        choices=["checkpoint", "recovery", "overhead", "goodput", "soak", "load", "crossover", "all"],
         help="which benchmark to run",
     )
     p.add_argument("--quick", action="store_true", help="everything sized down (a smoke run, not figures to quote)")

@@ -44,6 +44,7 @@ EXPECTED = {
         "methods": {"sharded", "from_pretrained"},
         "keys": {"load_anon_mib_per_rank", "anon_over_model", "seconds"},
     },
+    "crossover": {"methods": set(), "keys": set()},  # cells, not methods: _check_crossover
     "soak": {
         "methods": {"resilient", "resilient_local", "baseline"},
         "keys": {"goodput", "ettr", "ratio", "wall_ratio", "wall_s", "lost_steps", "runs"},
@@ -86,6 +87,9 @@ def test_quick_benchmark_writes_json(name: str, quick_all: tuple[str, dict]) -> 
     assert results["machine"]["cpus"] >= 1 and results["command"].startswith("rfsdp bench")
     bench = results["benchmarks"][name]
     assert bench["benchmark"] == name and "error" not in bench
+    if name == "crossover":
+        _check_crossover(bench)
+        return
     assert set(bench["methods"]) == EXPECTED[name]["methods"]
     for method in bench["methods"].values():
         assert EXPECTED[name]["keys"] <= set(method)
@@ -162,6 +166,21 @@ def test_quick_benchmark_writes_json(name: str, quick_all: tuple[str, dict]) -> 
         for method in bench["methods"].values():
             assert 0 < method["goodput"] < 1 and method["runs"][0]["steps"] == bench["params"]["steps"]
             assert method["runs"][0]["faults"] == len(bench["params"]["fault"].split(","))
+
+
+def _check_crossover(bench: dict) -> None:
+    """Each (model, interval) cell ran both modes over the same steps; the ratio is of their walls."""
+    p = bench["params"]
+    assert [(c["model"], c["every"]) for c in bench["cells"]] == [(m, k) for m in p["models"] for k in p["intervals"]]
+    for c in bench["cells"]:
+        for mode in ("sync", "async"):
+            run = c[mode]
+            assert run["saves"] == p["steps"] // c["every"] and run["wall_s"] > 0 and run["bytes_per_rank"] > 0
+        assert math.isclose(c["async_over_sync"], c["async"]["wall_s"] / c["sync"]["wall_s"])
+    won = [c for c in bench["cells"] if c["async_over_sync"] < 1]
+    assert (bench["crossover"] is None) == (not won)
+    (t,) = bench["targets"]
+    assert t["value"] == min(c["async_over_sync"] for c in bench["cells"]) and t["met"] == bool(won)
 
 
 def _check_soak(bench: dict) -> None:

@@ -67,3 +67,14 @@ def test_model_is_refused_where_it_does_not_apply_or_is_bad(tmp_path: Path, caps
     )
     assert code == 2 and "--model" in err and "Traceback" not in err
     assert not (tmp_path / "work").exists()  # refused before anything ran
+
+
+def test_the_crossover_is_the_smallest_state_then_the_shortest_interval_where_async_won() -> None:
+    from bench.crossover import crossover
+
+    def cell(model: str, every: int, size: int, ratio: float) -> dict:
+        return {"model": model, "every": every, "bytes_per_rank": size, "async_over_sync": ratio}
+
+    cells = [cell("tiny", 2, 1, 1.3), cell("small", 10, 20, 0.97), cell("small", 2, 20, 0.9), cell("base", 2, 500, 0.5)]
+    assert crossover(cells) == cell("small", 2, 20, 0.9)
+    assert crossover([cell("tiny", 2, 1, 1.0), cell("small", 2, 20, None)]) is None  # a tie is no win
