@@ -174,3 +174,23 @@ def test_experiment_names_and_labels() -> None:
     runs.append(compare.RunRecord("abcdefgh-2", "r", "e2", {}, []))
     compare.label_runs(runs)
     assert [r.label for r in runs] == ["e1/r", "e2/r (id-e2-r)", "s", "e2/r (abcdefgh)"]
+
+
+def test_the_verdict_on_checkpoint_modes_compares_runs_that_did_the_same_work() -> None:
+    def run(name: str, mode: str, end: float, fault: str = "") -> compare.RunRecord:
+        events = [
+            RunStart(time=100.0, config=config(ckpt_mode=mode, fault=fault), resumed_from_step=0, world_size=2),
+            *steps(101.0, 1, 5),
+            RunEnd(time=end, status="completed", step=5),
+        ]
+        return record(name, events, mode=mode)
+
+    quiet = [run("sync", "sync", 110.0), run("async", "async", 108.0)]
+    assert compare.checkpoint_mode_verdict(quiet).startswith(
+        "Async checkpoints finished the same work sooner than sync ones (0.80 without faults of sync's wall time)"
+    )
+    faulted = [run("sync-f", "sync", 110.0, "exception@3:1"), run("async-f", "async", 113.0, "exception@3:1")]
+    assert "0.80 without faults, 1.30 with faults" in compare.checkpoint_mode_verdict(quiet + faulted)
+    later = compare.checkpoint_mode_verdict(faulted)
+    assert later.startswith("Async checkpoints finished the same work later") and "rfsdp bench crossover" in later
+    assert compare.checkpoint_mode_verdict([quiet[0], faulted[1]]) is None  # not the same work: no pair

@@ -325,6 +325,43 @@ def time_breakdown(runs: list[RunRecord]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=[*TIME_CATEGORIES, "wall"], index=pd.Index([r.label for r in runs], name="run"))
 
 
+def _config(run: RunRecord) -> dict:
+    starts = select(run.events, RunStart)
+    return starts[0].config if starts else {}
+
+
+def checkpoint_mode_verdict(runs: list[RunRecord]) -> str | None:
+    """One sentence on sync against async checkpoints, from pairs of runs that did the same work
+    (the same trajectory and fault schedule, one run per mode): the wall time of the async run over
+    the sync one's, and what to conclude. None without such a pair.
+    """
+    pairs: dict[tuple, dict[str, RunRecord]] = {}
+    for run in runs:
+        config = _config(run)
+        if config.get("ckpt_mode") in ("sync", "async"):
+            pairs.setdefault((run.trajectory, config.get("fault", "")), {})[config["ckpt_mode"]] = run
+    ratios = [
+        (fault, p["async"].summary["wall_time_s"] / p["sync"].summary["wall_time_s"])
+        for (_, fault), p in pairs.items()
+        if len(p) == 2 and p["sync"].summary["wall_time_s"]
+    ]
+    if not ratios:
+        return None
+    said = ", ".join(f"{r:.2f} {'with faults' if fault else 'without faults'}" for fault, r in ratios)
+    if all(r < 1 for _, r in ratios):
+        return (
+            f"Async checkpoints finished the same work sooner than sync ones ({said} of sync's wall time): "
+            "use them here."
+        )
+    if all(r >= 1 for _, r in ratios):
+        return (
+            f"Async checkpoints finished the same work later than sync ones ({said} of sync's wall time): "
+            "this state is too small for a sync save to stall the steps more than a background write slows "
+            "them; `rfsdp bench crossover` finds the state and interval from which async pays on this machine."
+        )
+    return f"Async against sync checkpoints, the same work: {said} of sync's wall time; neither wins throughout."
+
+
 # --------------------------------------------------------------------------- recoveries, timelines, checkpoints
 
 
