@@ -22,7 +22,7 @@ from trainer.events import Checkpoint, RunEnd, Step, read_events, select
 from trainer.rank.config import TrainConfig
 
 METHODS = ("sync", "async")
-FULL = {"models": ("tiny", "small", "base"), "intervals": (2, 10), "steps": 20, "reps": 1}
+FULL = {"models": ("tiny", "small", "base"), "intervals": (2, 5), "steps": 10, "reps": 1}  # base: ~10 s a step
 QUICK = {"models": ("tiny",), "intervals": (2,), "steps": 6, "reps": 1}
 
 
@@ -72,13 +72,15 @@ def crossover(cells: list[dict]) -> dict | None:
 
 
 def run(quick: bool, work: Path, data: Path) -> dict:
-    """Every (model, interval) with both modes, in interleaved repetitions; medians per cell."""
+    """Every (model, interval) with both modes, back to back in interleaved repetitions; medians per cell."""
     params = QUICK if quick else FULL
     work = fresh_dir(work / "crossover")
     samples: dict[tuple[str, int, str], list[dict]] = {}
-    for rep, mode in interleaved(METHODS, params["reps"]):
-        for model in params["models"]:
-            for every in params["intervals"]:
+    for model in params["models"]:
+        for every in params["intervals"]:
+            # The two modes of a cell back to back, their order rotated every repetition: a change
+            # in the machine's load falls on both.
+            for rep, mode in interleaved(METHODS, params["reps"]):
                 run_dir = work / f"{model}_every{every}_{mode}_{rep}"
                 samples.setdefault((model, every, mode), []).append(
                     run_one(mode, model, every, run_dir, data, params["steps"])
