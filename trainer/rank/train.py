@@ -358,7 +358,7 @@ class Trainer:
 
     def _build_checkpointing(self) -> None:
         """The heartbeats from within work, and the durable checkpointer."""
-        heartbeat_within_work = throttled_heartbeat(self.heartbeat)
+        self.heartbeat_within_work = heartbeat_within_work = throttled_heartbeat(self.heartbeat)
         heartbeat_within_steps(self.spec.fsdp_units(), heartbeat_within_work)
         mirror = self.parts.mirror
         self.checkpointer = Checkpointer(
@@ -424,7 +424,9 @@ class Trainer:
                     wait_for_staging=self.checkpointer.before_update,
                 )
                 step_time = time.perf_counter() - t0
-            self.heartbeat()
+            # At most once a second, like those from within the step: each is a round trip to the
+            # rank monitor's process, and the step watch already sees every step end.
+            self.heartbeat_within_work()
             check_loss(step, loss)  # a NaN or Inf loss is a bug: this step is neither logged nor saved
             if rt.rank == 0:
                 done = self.events.emit(Step(step=step, loss=loss, step_time_s=step_time, tokens=tokens_per_step))
