@@ -187,10 +187,11 @@ def test_the_verdict_on_checkpoint_modes_compares_runs_that_did_the_same_work() 
 
     quiet = [run("sync", "sync", 110.0), run("async", "async", 108.0)]
     assert compare.checkpoint_mode_verdict(quiet).startswith(
-        "Async checkpoints finished the same work sooner than sync ones (0.80 without faults of sync's wall time)"
+        "Async checkpoints finished the same work sooner than sync ones (0.80x sync's wall time without faults)"
     )
     faulted = [run("sync-f", "sync", 110.0, "exception@3:1"), run("async-f", "async", 113.0, "exception@3:1")]
-    assert "0.80 without faults, 1.30 with faults" in compare.checkpoint_mode_verdict(quiet + faulted)
+    both = compare.checkpoint_mode_verdict(quiet + faulted)
+    assert "0.80x sync's wall time without faults, 1.30x sync's wall time with faults" in both
     later = compare.checkpoint_mode_verdict(faulted)
     assert later.startswith("Async checkpoints finished the same work later") and "rfsdp bench crossover" in later
     assert compare.checkpoint_mode_verdict([quiet[0], faulted[1]]) is None  # not the same work: no pair

@@ -347,19 +347,16 @@ def checkpoint_mode_verdict(runs: list[RunRecord]) -> str | None:
     ]
     if not ratios:
         return None
-    said = ", ".join(f"{r:.2f} {'with faults' if fault else 'without faults'}" for fault, r in ratios)
+    said = ", ".join(f"{r:.2f}x sync's wall time {'with faults' if fault else 'without faults'}" for fault, r in ratios)
     if all(r < 1 for _, r in ratios):
-        return (
-            f"Async checkpoints finished the same work sooner than sync ones ({said} of sync's wall time): "
-            "use them here."
-        )
+        return f"Async checkpoints finished the same work sooner than sync ones ({said}): use them here."
     if all(r >= 1 for _, r in ratios):
         return (
-            f"Async checkpoints finished the same work later than sync ones ({said} of sync's wall time): "
-            "this state is too small for a sync save to stall the steps more than a background write slows "
-            "them; `rfsdp bench crossover` finds the state and interval from which async pays on this machine."
+            f"Async checkpoints finished the same work later than sync ones ({said}): here a background "
+            "write slows the steps more than a sync save stalls them; `rfsdp bench crossover` measures "
+            "from which state and interval, if any, async pays on this machine."
         )
-    return f"Async against sync checkpoints, the same work: {said} of sync's wall time; neither wins throughout."
+    return f"Async against sync checkpoints, the same work: {said}; neither wins throughout."
 
 
 # --------------------------------------------------------------------------- recoveries, timelines, checkpoints
