@@ -21,10 +21,12 @@ from trainer import cgroup
 from trainer.checkpoint import CHECKPOINTS
 from trainer.errors import FATAL_EXIT_CODE
 from trainer.events import Failure, Fatal, FaultFired, Restart, RunStart, Step, read_events, select
+from trainer.rank.pace import PACE_WARMUP
 from trainer.results.tracking import log_run
 from trainer.results.tracking.uri import client_of as mlflow_client
 
 RUN = ("--steps", "12", "--ckpt-every", "4")
+OOM_STEP = PACE_WARMUP  # watched steps start at PACE_WARMUP + 2: the attempt's first is not timed
 BUG_LINE = next(
     n for n, line in enumerate((ROOT / "trainer/faults.py").read_text().splitlines(), 1) if "raise InjectedBug(" in line
 )
@@ -156,14 +158,18 @@ def memory_cgroup(request: pytest.FixtureRequest) -> Iterator[Path]:
 def test_an_oom_kill_is_recovered_in_job_and_reported_as_oom_with_the_peak_rss(
     data_dir: Path, baseline_12: Path, memory_cgroup: Path, tmp_path: Path
 ) -> None:
-    """``oom@6:1``: rank 1 allocates until the kernel's OOM killer ends it, in a cgroup limited to
+    """``oom@3:1``: rank 1 allocates until the kernel's OOM killer ends it, in a cgroup limited to
     3 GiB. The job restarts in-job and ends on the baseline's trajectory. The kill is a ``failure``
-    of kind ``oom`` (infrastructure) on rank 1 at step 6 with the rank's peak RSS, as its worker
-    learnt it from the kernel, and MLflow has it (before: a bare SIGKILL, reported nowhere)."""
+    of kind ``oom`` (infrastructure) on rank 1 at step 3 with the rank's peak RSS, as its worker
+    learnt it from the kernel, and MLflow has it (before: a bare SIGKILL, reported nowhere).
+
+    Step 3 comes before any step is watched (``PACE_WARMUP``): filling 3 GiB can take seconds on a
+    loaded machine, and rank 0, waiting for rank 1 inside a watched step, would be ended by its
+    step watch first (CI saw that at step 6), and the kill to check is the kernel's."""
     run = tmp_path / "run"
     command = [sys.executable, "-m", "trainer.cli", "train", "--quiet", "--data", str(data_dir), "--run-dir", str(run)]
     proc = subprocess.run(
-        [*command, *RUN, "--fault", "oom@6:1"],
+        [*command, *RUN, "--fault", f"oom@{OOM_STEP}:1"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -173,9 +179,9 @@ def test_an_oom_kill_is_recovered_in_job_and_reported_as_oom_with_the_peak_rss(
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert cgroup.oom_kills(memory_cgroup) == 1
     events = read_events(run)
-    assert [(f.kind, f.step, f.rank) for f in select(events, FaultFired)] == [("oom", 6, 1)]
+    assert [(f.kind, f.step, f.rank) for f in select(events, FaultFired)] == [("oom", OOM_STEP, 1)]
     (oom,) = [f for f in select(events, Failure) if f.rank == 1]
-    assert (oom.category, oom.kind, oom.error_type, oom.step) == ("infrastructure", "oom", "OOMKilled", 6)
+    assert (oom.category, oom.kind, oom.error_type, oom.step) == ("infrastructure", "oom", "OOMKilled", OOM_STEP)
     # A rank of the tiny model holds a few hundred MiB: a peak past 1 GiB is the allocation the kernel stopped.
     assert 1024 < oom.peak_rss_mb <= OOM_LIMIT >> 20
     assert not [f for f in select(events, Failure) if f.category == "bug"]
