@@ -78,7 +78,7 @@ def client(monkeypatch: pytest.MonkeyPatch) -> _RecordingClient:
     return recording
 
 
-def test_the_rank_monitor_watches_steps_once_timed_and_an_exception_closes_the_watch(
+def test_the_rank_monitor_watches_steps_once_timed_and_the_abort_ends_the_watch(
     client: _RecordingClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from trainer.rank.resilience import RankMonitor
@@ -104,9 +104,12 @@ def test_the_rank_monitor_watches_steps_once_timed_and_an_exception_closes_the_w
     assert client.sent == [watch, *step, *step]
     client.sent.clear()
     with pytest.raises(RuntimeError), monitor.step():
-        raise RuntimeError("a fault: the in-process restart must not be taken for a hang")
-    assert client.sent == [("open", STEP_SECTION), ("close all",)]
-    assert monitor.watched == 3
+        raise RuntimeError("a fault: the wrapper's abort ends the watch (RankMonitor.relax)")
+    assert client.sent == [("open", STEP_SECTION)] and monitor.watched == 3  # nothing sent as it raised
+    client.atomic = True  # the abort holds atomic
+    RankMonitor.relax()
+    assert client.sent[-1] == ("close all",)
+    client.atomic = False
     monitor.heartbeat()
     assert client.sent[-1] == ("heartbeat",)
 

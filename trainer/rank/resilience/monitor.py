@@ -109,8 +109,12 @@ class RankMonitor:
     def step(self, *, timed: bool = True) -> Iterator[None]:
         """A training step, watched at the run's pace once it has one: a rank that stays inside
         longer is hung, and the rank monitor ends it. ``timed``: the step's time counts in the pace
-        (not an attempt's first step, which warms up). An exception closes the watch, so an
-        in-process restart is never taken for a hang.
+        (not an attempt's first step, which warms up).
+
+        A step that raises sends nothing more: the in-process wrapper's abort ends the watch
+        (:meth:`relax`), and without the wrapper the process ends. A message sent as the wrapper
+        interrupts the rank was taken by NVRx's restart for a second interruption (``exit_ex``),
+        and the attempt waited out the heartbeat timeout.
         """
         watch = self.pace.watch() if self._client is not None else None
         if watch is not None:
@@ -119,12 +123,10 @@ class RankMonitor:
                 self._client.start_section(STEP_SECTION)
             self.watched += 1
         began = time.perf_counter()
-        try:
-            yield
-        finally:
-            if watch is not None:
-                with self._atomic():  # (all of them: the abort may have ended it already)
-                    self._client.end_all_sections()
+        yield
+        if watch is not None:
+            with self._atomic():  # (all of them: the abort may have ended it already)
+                self._client.end_all_sections()
         if timed:
             self.pace.record(time.perf_counter() - began)
 
