@@ -163,13 +163,15 @@ def test_an_oom_kill_is_recovered_in_job_and_reported_as_oom_with_the_peak_rss(
     of kind ``oom`` (infrastructure) on rank 1 at step 3 with the rank's peak RSS, as its worker
     learnt it from the kernel, and MLflow has it (before: a bare SIGKILL, reported nowhere).
 
-    Step 3 comes before any step is watched (``PACE_WARMUP``): filling 3 GiB can take seconds on a
-    loaded machine, and rank 0, waiting for rank 1 inside a watched step, would be ended by its
-    step watch first (CI saw that at step 6), and the kill to check is the kernel's."""
+    Filling 3 GiB takes seconds on a loaded machine, and the kill to check is the kernel's, so
+    nothing else may end the allocation first: step 3 comes before any step is watched
+    (``PACE_WARMUP``; rank 0, waiting inside a watched step, was ended by its watch in CI at step
+    6), and in-process restart is off (with it on, rank 0's collective timed out after 3 s beside
+    a CI run, and the wrapper's interruption ended the allocation in Python)."""
     run = tmp_path / "run"
     command = [sys.executable, "-m", "trainer.cli", "train", "--quiet", "--data", str(data_dir), "--run-dir", str(run)]
     proc = subprocess.run(
-        [*command, *RUN, "--fault", f"oom@{OOM_STEP}:1"],
+        [*command, *RUN, "--fault", f"oom@{OOM_STEP}:1", "--no-inprocess-restart"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -86,7 +86,7 @@ def test_the_rank_monitor_watches_steps_once_timed_and_the_abort_ends_the_watch(
 
     clock = iter(float(t) / 100 for t in range(10_000))  # each step lasts 0.01 s
     monkeypatch.setattr(monitor_module.time, "perf_counter", lambda: next(clock))
-    monitor = RankMonitor(ceiling=10.0, atomic=client.in_atomic)
+    monitor = RankMonitor(ceiling=10.0, atomic=client.in_atomic, wrapped=True)
     assert client.sent == [("close all",)]  # what an earlier attempt of this process left open
     client.sent.clear()
     with monitor.step(timed=False):  # an attempt's first step: neither watched nor timed
@@ -110,6 +110,15 @@ def test_the_rank_monitor_watches_steps_once_timed_and_the_abort_ends_the_watch(
     RankMonitor.relax()
     assert client.sent[-1] == ("close all",)
     client.atomic = False
+    # Without the wrapper nothing interrupts: the watch ends as the exception leaves the step.
+    unwrapped = RankMonitor(ceiling=10.0, atomic=client.in_atomic, wrapped=False)
+    for _ in range(PACE_WARMUP):
+        with unwrapped.step():
+            pass
+    client.sent.clear()
+    with pytest.raises(RuntimeError), unwrapped.step():
+        raise RuntimeError("no in-process restart: the rank exits, with its own exit code")
+    assert client.sent[-2:] == [("open", STEP_SECTION), ("close all",)]
     monitor.heartbeat()
     assert client.sent[-1] == ("heartbeat",)
 

@@ -301,7 +301,7 @@ class Trainer:
         self.layer = recovery_layer(
             self.history, in_process_attempt=attempt.in_process_attempt, in_job_restart=attempt.in_job_restart
         )
-        self.monitor = RankMonitor(ceiling=timeouts.heartbeat, atomic=attempt.atomic)
+        self.monitor = RankMonitor(ceiling=timeouts.heartbeat, atomic=attempt.atomic, wrapped=cfg.inprocess_restart)
         marks["rank_monitor"] = time.time()
 
     def _build_state(self) -> None:

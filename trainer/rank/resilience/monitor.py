@@ -67,11 +67,13 @@ class RankMonitor:
         self,
         ceiling: float = float("inf"),
         atomic: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        *,
+        wrapped: bool = False,
     ) -> None:
         # Every message goes inside the in-process wrapper's ``atomic``: an interruption raised in
         # the middle of one would leave half a reply on the socket, and the next read would wait for
         # bytes that never come.
-        self._atomic = atomic
+        self._atomic, self._wrapped = atomic, wrapped
         with atomic():
             if RankMonitor._client is None and os.environ.get(FT_SOCKET_ENV):
                 check_nvrx_internals()
@@ -111,10 +113,11 @@ class RankMonitor:
         longer is hung, and the rank monitor ends it. ``timed``: the step's time counts in the pace
         (not an attempt's first step, which warms up).
 
-        A step that raises sends nothing more: the in-process wrapper's abort ends the watch
-        (:meth:`relax`), and without the wrapper the process ends. A message sent as the wrapper
-        interrupts the rank was taken by NVRx's restart for a second interruption (``exit_ex``),
-        and the attempt waited out the heartbeat timeout.
+        Under the in-process wrapper (``wrapped``), a step that raises sends nothing more: the
+        wrapper's abort ends the watch (:meth:`relax`). A message sent as the wrapper interrupts
+        the rank was taken by NVRx's restart for a second interruption (``exit_ex``), and the
+        attempt waited out the heartbeat timeout. Without it nothing interrupts, and the watch
+        ends at once: the rank's way out (its failure recorded, its exit code) is its own.
         """
         watch = self.pace.watch() if self._client is not None else None
         if watch is not None:
@@ -123,7 +126,13 @@ class RankMonitor:
                 self._client.start_section(STEP_SECTION)
             self.watched += 1
         began = time.perf_counter()
-        yield
+        try:
+            yield
+        except BaseException:
+            if watch is not None and not self._wrapped:
+                with self._atomic():
+                    self._client.end_all_sections()
+            raise
         if watch is not None:
             with self._atomic():  # (all of them: the abort may have ended it already)
                 self._client.end_all_sections()
