@@ -8,6 +8,7 @@ Here real jobs (`rfsdp train`); the rule in this process: tests/unit/test_bugs.p
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -92,7 +93,10 @@ def test_an_exception_that_fires_once_still_recovers_in_process_exactly(
     ]
     assert not select(events, Fatal)
     assert losses(run) == losses(baseline_12)
-    assert "failure, rank 1" in proc.stdout and "0 infrastructure, 1 bug" in proc.stdout  # the summary's tables
+    # The summary's tables. Rank 0 may record its peer's closed connection as an infrastructure
+    # failure when rank 1's abort cuts it before rank 0's own abort runs (CI saw it once): which
+    # abort comes first is the wrapper's timing, so the count of those is not fixed.
+    assert "failure, rank 1" in proc.stdout and re.search(r"\b[01] infrastructure, 1 bug", proc.stdout), proc.stdout
 
 
 def test_a_nan_loss_ends_the_job_and_no_checkpoint_after_it_is_published(
