@@ -19,7 +19,7 @@ def test_outside_internals_the_async_writer_relies_on() -> None:
     from torch.distributed import _state_dict_utils
 
     from trainer.rank.resilience import _ForkedCaller
-    from trainer.rank.resilience.async_writer import NVRX_CHECKED
+    from trainer.rank.resilience.nvrx_version import NVRX_CHECKED
 
     assert importlib.metadata.version("nvidia-resiliency-ext") == NVRX_CHECKED == "0.4.1"
     caller = PersistentAsyncCaller()

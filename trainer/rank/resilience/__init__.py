@@ -9,6 +9,9 @@ module per concern, none importing another.
 - ``local_tier``: :class:`LocalTier`, each rank's snapshots in node-local memory (NVRx local
   checkpointing).
 
+``nvrx_version`` names the NVRx release the others were checked against and refuses another whose
+internals moved.
+
 An attempt's store and the cut of its gloo connections touch no NVRx: ``trainer.rank.connections``
 (re-exported here, as the training loop imports them from here).
 """

@@ -1,7 +1,7 @@
 """The ``async`` checkpoint mode: DCP shards written by NVRx's persistent background worker.
 
 A compatibility layer over NVRx internals, checked against nvidia-resiliency-ext 0.4.1
-(:data:`NVRX_CHECKED`). :func:`check_nvrx_internals` refuses an NVRx whose worker loop or shard
+(``nvrx_version.NVRX_CHECKED``). :func:`check_nvrx_internals` refuses an NVRx whose worker loop or shard
 writer no longer takes what is passed here, as the writer is made (the worker would otherwise
 die in the background, every save failing for want of an outcome); tests/integration/test_units_runs.py pins
 the rest.
@@ -23,7 +23,6 @@ buffers, as ``dcp.async_save`` does.
 
 import contextlib
 import errno
-import importlib.metadata
 import inspect
 import json
 import logging
@@ -58,9 +57,7 @@ from trainer.checkpoint import CheckpointWriteError, SaveHooks, write_rank_check
 from trainer.checkpoint.digests import write_digests
 from trainer.errors import NonTransientError, non_transient_cause
 from trainer.process import die_with_parent, lower_priority
-
-NVRX_CHECKED = "0.4.1"
-"""The nvidia-resiliency-ext release whose internals this module was checked against."""
+from trainer.rank.resilience.nvrx_version import refuse_moved_internals
 
 # What is passed to NVRx by position: the worker loop's arguments (:func:`_worker_main`) and the
 # shard writer's (``save_fn`` in :func:`_write_shard`, NVRx binding the first two).
@@ -89,15 +86,7 @@ def check_nvrx_internals() -> None:
     ]
     if not hasattr(filesystem_async, "_results_queue"):
         changed.append("filesystem_async._results_queue")
-    if changed:
-        try:
-            installed = importlib.metadata.version("nvidia-resiliency-ext")
-        except importlib.metadata.PackageNotFoundError:
-            installed = "(version unknown)"
-        raise NonTransientError(  # no restart brings the internals back
-            f"nvidia-resiliency-ext {installed} is not what the async checkpoint writer was checked against "
-            f"({NVRX_CHECKED}): expected, not found: {'; '.join(changed)} (trainer/rank/resilience/async_writer.py)"
-        )
+    refuse_moved_internals("the async checkpoint writer", changed, "trainer/rank/resilience/async_writer.py")
 
 
 def _write_shard(

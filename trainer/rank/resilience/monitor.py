@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.metadata
 import inspect
 import os
 import time
@@ -22,12 +21,10 @@ from collections.abc import Callable, Iterator
 from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
 from nvidia_resiliency_ext.fault_tolerance.data import SectionTimeouts
 
-from trainer.errors import NonTransientError
 from trainer.rank.pace import STEP_SECTION, StepPace
+from trainer.rank.resilience.nvrx_version import refuse_moved_internals
 
 FT_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"
-NVRX_CHECKED = "0.4.1"
-"""The NVRx version whose client internals the step watch was checked against."""
 
 
 def check_nvrx_internals() -> None:
@@ -44,15 +41,7 @@ def check_nvrx_internals() -> None:
         changed.append("RankMonitorClient._set_calculated_timeouts(self, new_hb_timeouts, new_section_timeouts)")
     if {"section", "out_of_section"} - {f.name for f in dataclasses.fields(SectionTimeouts)}:
         changed.append("SectionTimeouts(section, out_of_section)")
-    if changed:
-        try:
-            installed = importlib.metadata.version("nvidia-resiliency-ext")
-        except importlib.metadata.PackageNotFoundError:
-            installed = "(version unknown)"
-        raise NonTransientError(  # no restart brings the internals back
-            f"nvidia-resiliency-ext {installed} is not what the step watch was checked against "
-            f"({NVRX_CHECKED}): expected, not found: {'; '.join(changed)} (trainer/rank/resilience/monitor.py)"
-        )
+    refuse_moved_internals("the step watch", changed, "trainer/rank/resilience/monitor.py")
 
 
 class RankMonitor:
