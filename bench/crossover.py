@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.common import fmt, fresh_dir, interleaved, median, print_table, print_targets, ratio, run_rfsdp, target
-from trainer.events import Checkpoint, RunEnd, Step, read_events, select
+from trainer.events import Checkpoint, RunEnd, RunStart, Step, read_events, select
 from trainer.rank.config import TrainConfig
 
 METHODS = ("sync", "async")
@@ -29,14 +29,14 @@ QUICK = {"models": ("tiny",), "intervals": (2,), "steps": 6, "reps": 1}
 def measure(run_dir: Path) -> dict:
     """The training's wall time (first step's start to the run's end) and its checkpoints' size."""
     events = read_events(run_dir)
-    steps, ends = select(events, Step), select(events, RunEnd)
+    steps, ends, starts = select(events, Step), select(events, RunEnd), select(events, RunStart)
     saves = [e for e in select(events, Checkpoint) if e.tier == "durable"]
     began = steps[0].time - steps[0].step_time_s
     return {
         "wall_s": ends[-1].time - began,
         "saves": len(saves),
         "stall_s": median([e.blocking_s for e in saves]),
-        "bytes_per_rank": median([e.bytes for e in saves]) / 2 if saves else None,  # 2 ranks, even shards
+        "bytes_per_rank": median([e.bytes for e in saves]) / starts[0].world_size if saves else None,  # even shards
         "step_s": median([e.step_time_s for e in steps]),
     }
 
