@@ -351,3 +351,17 @@ def test_a_forked_ranks_sigterm_fault_preempts_the_run(data_dir: Path, tmp_path:
     assert "forked" in restart.phases
     end = select(events, RunEnd)[-1]
     assert end.status == "preempted" and end.step == 5
+
+
+@pytest.mark.parametrize(
+    ("status", "returncode"),
+    [(signal.SIGKILL, -signal.SIGKILL), (signal.SIGTERM, -signal.SIGTERM), (3 << 8, 3)],
+    ids=["sigkill", "sigterm", "exit-3"],
+)
+def test_a_worker_ends_as_its_forked_rank_did(status: int, returncode: int) -> None:
+    """ft_launcher sees the worker, so the worker ends as its rank did: a rank SIGKILLed (by the
+    kernel's OOM killer, the rank monitor at a hang) leaves a worker SIGKILLed, not one that
+    exits 1 (before: setting SIGKILL's handler raised, and the kill was reported as an exit)."""
+    code = f"from trainer.launch.worker import _exit_like; _exit_like({int(status)})"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == returncode, proc.stderr[-2000:]
