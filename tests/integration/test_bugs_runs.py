@@ -171,11 +171,14 @@ def test_an_oom_kill_is_recovered_in_job_and_reported_as_oom_with_the_peak_rss(
     nothing else may end the allocation first: step 3 comes before any step is watched
     (``PACE_WARMUP``; rank 0, waiting inside a watched step, was ended by its watch in CI at step
     6), and in-process restart is off (with it on, rank 0's collective timed out after 3 s beside
-    a CI run, and the wrapper's interruption ended the allocation in Python)."""
+    a CI run, and the wrapper's interruption ended the allocation in Python). Near the limit the
+    kernel reclaims the job's file pages before it kills, and beside a CI run the fill took over
+    10 s, the default hang timeout, with no heartbeat from either rank (rank 0 waits in a
+    collective): the hang timeout here is a minute."""
     run = tmp_path / "run"
     command = [sys.executable, "-m", "trainer.cli", "train", "--quiet", "--data", str(data_dir), "--run-dir", str(run)]
     proc = subprocess.run(
-        [*command, *RUN, "--fault", f"oom@{OOM_STEP}:1", "--no-inprocess-restart"],
+        [*command, *RUN, "--fault", f"oom@{OOM_STEP}:1", "--no-inprocess-restart", "--hang-timeout", "60"],
         cwd=ROOT,
         capture_output=True,
         text=True,
