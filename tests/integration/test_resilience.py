@@ -16,6 +16,7 @@ import multiprocessing.synchronize
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -292,8 +293,8 @@ def test_a_step_slower_than_the_hang_timeout_is_not_a_hang(data_dir: Path, tmp_p
 
 
 def test_steps_slowed_by_a_busy_machine_midway_are_not_taken_for_hangs(data_dir: Path, tmp_path: Path) -> None:
-    """The step watch is set from a quiet start (the small model), then a busy loop starts on every
-    core: the watched steps slow down, and none is taken for a hang (the watch is a multiple of the
+    """The step watch is set from a quiet start (the small model), then two busy loops start on
+    every core: the watched steps slow down, and none is taken for a hang (the watch is a multiple of the
     slowest recent step, at least 1.5 s)."""
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "trainer.cli", "train", "--data", str(data_dir), "--run-dir", str(run)]
@@ -303,13 +304,14 @@ def test_steps_slowed_by_a_busy_machine_midway_are_not_taken_for_hangs(data_dir:
     while max((e.step for e in read_events(run, [Step]) if isinstance(e, Step)), default=0) < quiet_until:
         assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
         time.sleep(0.1)
-    with busy_loops(os.cpu_count() or 1):
+    with busy_loops(2 * (os.cpu_count() or 1)):  # two a core: more than the other test worker adds
         _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     steps = select(read_events(run), Step)
     assert restarts(run) == [] and [e.step for e in steps] == list(range(1, 15))
-    quiet = max(e.step_time_s for e in steps if 1 < e.step <= quiet_until)
-    assert max(e.step_time_s for e in steps if e.step > quiet_until + 1) > quiet  # the load did slow them
+    # The load did slow them. Medians: beside the other test worker one "quiet" step can be slow too.
+    quiet = statistics.median(e.step_time_s for e in steps if 1 < e.step <= quiet_until)
+    assert statistics.median(e.step_time_s for e in steps if e.step > quiet_until + 1) > quiet
     log = "".join(p.read_text() for p in sorted((run / "logs").glob("replica_*.log")))
     watched = [int(n) for n in re.findall(r"^rank \d: (\d+) steps watched at the run's pace", log, re.MULTILINE)]
     # Step 6, the first beside the loops, was watched at the quiet pace (a watch that would reach
