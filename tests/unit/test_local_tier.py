@@ -22,13 +22,15 @@ import torch.distributed as dist
 
 from trainer.data.loader import TokenLoader
 from trainer.errors import ParameterError
-from trainer.events import Checkpoint, EventLog, Restart, RunWarning, read_events, summarize
+from trainer.events import Checkpoint, CheckpointFailed, EventLog, Restart, RunWarning, read_events, summarize
 from trainer.launch import WORKSPACE_MOUNT
 from trainer.launch.k8s import ClusterOptions, build_pytorchjob, quantity_bytes
 from trainer.launch.local import check_local_replicas, check_local_tier, local_tier_bytes
 from trainer.launch.spec import LaunchSpec
 from trainer.rank.config import MODEL_SIZES, TrainConfig, replica_cliques
-from trainer.rank.resilience import LocalTier, RankMonitor, _pack, _unpack
+from trainer.rank.packing import pack as _pack
+from trainer.rank.packing import unpack as _unpack
+from trainer.rank.resilience import LocalTier, RankMonitor
 from trainer.rank.runtime import Runtime, build_fsdp_model
 from trainer.rank.state import TrainState, _local_shards
 from trainer.rank.train import train_step
@@ -91,8 +93,8 @@ def test_snapshots_are_bounded_checksummed_and_a_corrupt_one_is_skipped(
 
 
 def test_the_background_write_keeps_the_state_it_was_handed(one_rank: dist.ProcessGroup, tmp_path: Path) -> None:
-    """The snapshot is written beside training, which changes the live tensors in place: what is
-    written is the copy taken when the save was handed over. The next attempt (an in-process
+    """The snapshot is copied and written beside training, which changes the live tensors in place
+    once the copy is taken: what is written is the state when the save was handed over. The next attempt (an in-process
     restart, which never agreed on that write) waits for it before it looks at the snapshots."""
     (tmp_path / "run").mkdir()
 
@@ -106,11 +108,75 @@ def test_the_background_write_keeps_the_state_it_was_handed(one_rank: dist.Proce
         )
 
     live = torch.arange(1 << 22, dtype=torch.float32)  # 16 MiB
-    tier().step(1, lambda: {"w": live, "rank": {"step": 1}})
+    first = tier()
+    first.step(1, lambda: {"w": live, "rank": {"step": 1}})
+    first.before_update()  # the next step's update waits for the copy, not for the write
+    assert first._pending.copied.is_set()
     live.add_(1.0)  # the next optimizer step, while the write may still be going
     again = tier()
     assert again.find_latest() == (1, "local")
     assert torch.equal(again.load(1)["w"], torch.arange(1 << 22, dtype=torch.float32))
+
+
+def test_the_steps_all_reduce_settles_a_write_without_a_collective_of_its_own(
+    one_rank: dist.ProcessGroup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each rank votes on its write in flight in the step's own all-reduce (:meth:`ballot`, summed
+    by ``train_step``). Once every rank's write ended, the next save counts it with no wait and no
+    collective; a write still going on some rank is agreed on as before, with a collective."""
+    (tmp_path / "run").mkdir()
+    tier = LocalTier(
+        tmp_path / "tier" / "run", every=1, group=one_rank, save_group=one_rank, events=EventLog(tmp_path / "run", 0)
+    )
+    calls: list[object] = []
+    real_all_reduce = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: calls.append(k.get("group")) or real_all_reduce(*a, **k))
+
+    tier.step(1, lambda: {"w": torch.ones(4), "rank": {"step": 1}})
+    tier._pending.ended.wait()
+    assert tier.ballot() == [1.0, 0.0, 0.0]  # ended, not failed, not out of room
+    tier.tally([1.0, 0.0, 0.0])  # what the all-reduce of a world of one returns
+    tier.step(2, lambda: {"w": torch.full((4,), 2.0), "rank": {"step": 2}})  # counts step 1: no collective
+    assert calls == []
+    assert tier.ballot() in ([0.0, 0.0, 0.0], [1.0, 0.0, 0.0])  # step 2's write: maybe still going
+    tier.tally([0.0, 0.0, 0.0])  # some rank's write still going: not settled
+    tier.finish()
+    assert calls == [one_rank]  # agreed on with a collective of the save group
+
+    first, second = [e for e in read_events(tmp_path / "run") if isinstance(e, Checkpoint)]
+    assert (first.step, second.step) == (1, 2)
+    assert {"plan", "copy", "write"} <= set(first.phases) and "agree" not in first.phases
+    assert {"plan", "copy", "write", "wait", "agree"} <= set(second.phases)
+    assert tier.find_latest() == (2, "local")
+
+    def broken() -> dict:
+        return {"w": torch.ones(4), "rank": {"step": 3}, "bad": object.__new__(_Unpicklable)}
+
+    tier.step(3, broken)
+    tier._pending.ended.wait()
+    assert tier.ballot() == [1.0, 1.0, 0.0]  # failed, with room
+    tier.tally([1.0, 1.0, 0.0])
+    tier.finish()
+    (failed,) = [e for e in read_events(tmp_path / "run") if isinstance(e, CheckpointFailed)]
+    assert failed.step == 3 and failed.tier == "local" and "pickle" in failed.error
+    assert tier.newest == 2 and tier.off is None  # a failed write is retried at the next one
+    assert train_step_sums(lambda: [1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+
+
+class _Unpicklable:
+    def __reduce__(self) -> tuple:
+        raise TypeError("cannot pickle this")
+
+
+def train_step_sums(ballot: object) -> list[float]:
+    """The sums ``train_step`` returns for ``ballot`` (a world of one: its own votes)."""
+    spec = build_fsdp_model("tiny", Runtime(torch.device("cpu"), "gloo", rank=0, local_rank=0, world_size=1), seed=0)
+    size = MODEL_SIZES["tiny"]
+    loader = TokenLoader(np.arange(5000, dtype=np.uint16) % size.vocab_size, size.seq_len, 2, rank=0, world_size=1)
+    state = TrainState(spec, torch.optim.AdamW(spec.module.parameters()), loader, RankMonitor(), None)
+    _, stop, sums = train_step(state, lr=1e-3, grad_clip=1.0, device=torch.device("cpu"), ballot=ballot)
+    assert stop is False
+    return sums
 
 
 def test_a_snapshot_is_packed_into_one_buffer_and_unpacked_exactly() -> None:

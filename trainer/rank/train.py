@@ -131,11 +131,13 @@ def train_step(
     accum: int = 1,
     stop: bool = False,
     wait_for_staging: Callable[[], object] | None = None,
-) -> tuple[float, bool]:
+    ballot: Callable[[], list[float]] | None = None,
+) -> tuple[float, bool, list[float]]:
     """One optimizer step over ``accum`` micro-batches; returns the loss averaged over all ranks
-    (exact float) and whether any rank asked to ``stop`` (agreed in the loss's all-reduce: no
-    extra collective per step). ``wait_for_staging``: called before the update, which must not
-    change the state an async save is still copying (it copies beside this forward and backward).
+    (exact float), whether any rank asked to ``stop`` and the sums of every rank's ``ballot()``
+    (all three in the loss's all-reduce: no extra collective per step). ``wait_for_staging``:
+    called before the update, which must not change the state a save is still copying (it
+    copies beside this forward and backward).
     """
     for group in state.optimizer.param_groups:
         group["lr"] = lr
@@ -154,10 +156,11 @@ def train_step(
         wait_for_staging()
     state.optimizer.step()
     state.optimizer.zero_grad(set_to_none=True)
-    total = torch.stack([loss.detach().float(), torch.tensor(float(stop), device=loss.device)])
+    votes = ballot() if ballot is not None else []
+    total = torch.cat([loss.detach().float().reshape(1), torch.tensor([float(stop), *votes], device=loss.device)])
     dist.all_reduce(total)
-    loss_sum, stops = total.tolist()
-    return loss_sum / dist.get_world_size(), stops > 0
+    loss_sum, stops, *sums = total.tolist()
+    return loss_sum / dist.get_world_size(), stops > 0, sums
 
 
 class ProgressLines:
@@ -398,6 +401,12 @@ class Trainer:
         self.monitor.heartbeat()
         self.attempt.heartbeat()
 
+    def wait_for_staging(self) -> None:
+        """Before the update: the copies of the state that the last saves make beside this step."""
+        self.checkpointer.before_update()
+        if self.local is not None:
+            self.local.before_update()
+
     def train(self) -> None:
         """The loop: a step, its record, the checkpoint tiers. A fault anywhere in it ends this
         attempt; what it was saving is never published (the writer abandons it when the next
@@ -414,16 +423,19 @@ class Trainer:
             with self.monitor.step(timed=step > self.start + 1):  # watched at the run's pace
                 self.faults.maybe_fire(step)
                 t0 = time.perf_counter()
-                loss, self.stop = train_step(
+                loss, self.stop, tally = train_step(
                     state,
                     lr_at(cfg, step),
                     cfg.grad_clip,
                     rt.device,
                     accum=cfg.grad_accum_steps,
                     stop=self.parts.preemption.requested,
-                    wait_for_staging=self.checkpointer.before_update,
+                    wait_for_staging=self.wait_for_staging,
+                    ballot=self.local.ballot if self.local is not None else None,
                 )
                 step_time = time.perf_counter() - t0
+            if self.local is not None:
+                self.local.tally(tally)
             # At most once a second, like those from within the step: each is a round trip to the
             # rank monitor's process, and the step watch already sees every step end.
             self.heartbeat_within_work()

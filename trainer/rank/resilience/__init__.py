@@ -28,7 +28,7 @@ from trainer.rank.resilience.async_writer import (
     _write_shard,
 )
 from trainer.rank.resilience.inprocess import PORT_BASE_ENV, run_restartable, wrapper_timeouts
-from trainer.rank.resilience.local_tier import LocalSnapshotError, LocalTier, _pack, _unpack, replication_groups
+from trainer.rank.resilience.local_tier import LocalSnapshotError, LocalTier, replication_groups
 from trainer.rank.resilience.monitor import FT_SOCKET_ENV, RankMonitor
 
 __all__ = [
@@ -49,10 +49,8 @@ __all__ = [
     "_BackgroundCopy",
     "_ForkedCaller",
     "_outcome_name",
-    "_pack",
     "_read_outcome",
     "_shared_buffers_like",
-    "_unpack",
     "_wait_for_copy",
     "_write_shard",
 ]

@@ -13,7 +13,7 @@ What is not, and why (pinned by tests/unit/test_local_tier.py):
   after it, and loaded only once its bytes match, with ``weights_only=True``. A pruned snapshot's
   file is kept as this owner's spare and overwritten by the next snapshot: its pages of node
   memory are reused, where a new file's are allocated and zeroed by the kernel (a third of a
-  write's CPU, at every step). And the state is packed first (``_pack``): one byte buffer, one
+  write's CPU, at every step). And the state is packed first (``trainer.rank.packing``): one byte buffer, one
   record for torch.save and one tensor in a replica's exchange, where NVRx's pays per tensor.
 - ``BasicTensorAwareStateDict`` asserts that every tensor is on CUDA and moves them back there
   on load: ``_HostStateDict`` drops both (the caller copies loaded values into its live tensors).
@@ -32,12 +32,14 @@ import datetime
 import errno
 import hashlib
 import io
-import math
+import os
+import queue
 import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from itertools import chain
 from pathlib import Path
 
@@ -51,6 +53,7 @@ from nvidia_resiliency_ext.checkpointing.local.replication.strategies import Cli
 from trainer.events import Checkpoint, CheckpointFailed, EventLog, RunWarning
 from trainer.fsutil import atomic_write_text
 from trainer.process import lower_priority
+from trainer.rank import packing
 
 
 class LocalSnapshotError(RuntimeError):
@@ -206,80 +209,45 @@ class _ChecksummedLocalManager(LocalCheckpointManager):
                 path.unlink(missing_ok=True)
 
 
-_ALIGN = 64
-"""Byte alignment of each tensor in a packed snapshot (any dtype's view of it is aligned)."""
-
-
-def _pack(tree: object, buffers: dict) -> dict:
-    """``tree`` (nested dicts and lists of tensors and plain values) as one snapshot of three
-    parts: ``skeleton`` (``tree`` with None for each tensor), ``layout`` (each tensor's place,
-    dtype, shape and byte offset) and ``data``, every tensor copied into one byte buffer reused
-    from save to save (``buffers``: it and its views, made again when the layout changes). One
-    tensor instead of a hundred is what makes a small model's snapshot cheap: ``torch.save`` pays
-    per tensor (a record each), and so does a replica's exchange (a send each).
-    """
-    tensors: list[torch.Tensor] = []
-    layout: list[tuple] = []
-    offset = 0
-
-    def hollow(node: object, path: tuple) -> object:
-        nonlocal offset
-        if isinstance(node, dict):
-            return {k: hollow(v, (*path, k)) for k, v in node.items()}
-        if isinstance(node, list):
-            return [hollow(v, (*path, i)) for i, v in enumerate(node)]
-        if not isinstance(node, torch.Tensor):
-            return node  # plain values: immutable leaves (the dicts and lists around them are made here)
-        tensors.append(node)
-        layout.append((path, node.dtype, tuple(node.shape), offset))
-        offset += -(-node.numel() * node.dtype.itemsize // _ALIGN) * _ALIGN  # rounded up
-        return None
-
-    skeleton = hollow(tree, ())
-    if buffers.get("layout") != layout:  # the views are made with the buffer, not at every snapshot
-        data = torch.zeros(
-            offset, dtype=torch.uint8
-        )  # the alignment gaps too: a snapshot's bytes are its state's alone
-        buffers.update(layout=layout, data=data, views=_views(data, layout))
-    for tensor, view in zip(tensors, buffers["views"], strict=True):
-        view.copy_(tensor)
-    return {"skeleton": skeleton, "layout": layout, "data": buffers["data"]}
-
-
-def _views(data: torch.Tensor, layout: list[tuple]) -> list[torch.Tensor]:
-    """Each tensor of a packed snapshot, as a view of its bytes in ``data``."""
-    views = []
-    for _, dtype, shape, offset in layout:
-        nbytes = math.prod(shape) * dtype.itemsize
-        views.append(data[offset : offset + nbytes].view(dtype).view(shape))
-    return views
-
-
-def _unpack(snapshot: dict) -> dict:
-    """The tree that :func:`_pack` packed, each tensor a copy of its bytes in the snapshot's
-    ``data`` (not a view: ``torch.set_rng_state`` reads a tensor's storage from its start).
-    """
-    tree = snapshot["skeleton"]
-    for (path, *_), view in zip(snapshot["layout"], _views(snapshot["data"], snapshot["layout"]), strict=True):
-        node = tree
-        for key in path[:-1]:
-            node = node[key]
-        node[path[-1]] = view.clone()
-    return tree
-
-
 @dataclass(slots=True)
 class _LocalWrite:
-    """A snapshot handed to the background thread, and how its write ended."""
+    """A snapshot handed to the background threads, and how its write ended."""
 
     step: int
     started: float
     """``time.perf_counter()`` when its save began."""
-    blocking_s: float
-    """The training thread's stall handing it over (staging, the replicas' exchange)."""
     phases: dict[str, float]
-    thread: threading.Thread | None = None
+    blocking_s: float = 0.0
+    """The training thread's stall: handing it over, the next update's wait for its copy, an agreement of its own."""
+    copied: threading.Event = field(default_factory=threading.Event)
+    """Set once the live state is copied (or the copy failed): the next update may change it."""
+    ended: threading.Event = field(default_factory=threading.Event)
+    """Set once the write ended, well or not (:attr:`error`): this rank's vote in the step's all-reduce."""
     error: BaseException | None = None
+    votes: tuple[int, int] | None = None
+    """Once every rank's write ended, as the step's all-reduce summed them: (failed, found no room)."""
+    agreed: float = 0.0
+    """``time.perf_counter()`` when every rank knew how every write ended."""
+    pid: int = field(default_factory=os.getpid)
+    """The process whose threads write it (a forked child has none of them)."""
+
+
+class _Jobs:
+    """A thread of this process that runs the jobs it is given, one at a time, in order."""
+
+    def __init__(self, name: str, *, lowest: bool = False) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.lowest, self.pid = lowest, os.getpid()  # a forked child has no such thread
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self.jobs.put(job)
+
+    def _run(self) -> None:
+        if self.lowest:
+            lower_priority()  # a write has until the next snapshot
+        while True:
+            self.jobs.get()()  # each job catches what it raises: the thread serves the next attempt too
 
 
 class LocalTier:
@@ -288,16 +256,16 @@ class LocalTier:
     the one being written); recovery takes the newest step every rank can load, from its own
     snapshot or else from a peer's replica.
 
-    The training thread copies the state into one reused host buffer (and, with replicas, exchanges
-    it within its clique, a collective) and hands it to a background thread, which writes it to
-    ``/dev/shm`` (hashed as it is written, the checksum sidecar last). The next save first waits
-    for that write and agrees with every rank that all of theirs succeeded (one small collective,
-    in the training thread, so never beside training's own): only then does it count (its
-    ``checkpoint`` event, the pruning that keeps it) and the buffers are reused. At resume a
-    snapshot counts only if every rank verifies it, whoever wrote it. A write runs on when the
-    training thread is interrupted (in-process restart): the next attempt waits for it before
-    it looks at the snapshots, as the async writer's next save waits for an abandoned write. Every
-    collective is on checkpoint groups, never on the default group.
+    The training thread walks the state and hands it to the process's copy thread, which copies it
+    into one reused host buffer beside the next step (whose update waits for the copy); the write
+    thread, at the lowest priority, writes it to ``/dev/shm`` (hashed as it is written, the checksum
+    sidecar last). Each rank votes on its write in the steps' own all-reduce; the next save counts
+    it (its ``checkpoint`` event, the pruning that keeps it) once every rank's ended and succeeded,
+    else first waits and agrees in a collective of its own. With replicas the copy and the clique's
+    exchange stay in the training thread. At resume a snapshot counts only if every rank verifies
+    it, whoever wrote it. A write runs on when the training thread is interrupted (in-process
+    restart): the next attempt waits for it before it looks at the snapshots. Every collective of
+    the tier is on checkpoint groups.
 
     Args:
         root: this run's folder on this node (``trainer.checkpoint.local_tier_dir``).
@@ -346,18 +314,18 @@ class LocalTier:
         self._buffers: dict = {}
         self._pending: _LocalWrite | None = None
         """The write this attempt handed over and has not agreed on yet."""
-        if (
-            (abandoned := LocalTier._in_flight) is not None
-            and abandoned.thread is not None
-            and abandoned.thread.ident is not None
-        ):
-            abandoned.thread.join()  # a memory copy: short. What it wrote counts if every rank verifies it.
+        if (abandoned := LocalTier._in_flight) is not None and abandoned.pid == os.getpid():
+            abandoned.ended.wait()  # a memory copy: short. What it wrote counts if every rank verifies it.
         LocalTier._in_flight = None
         self.off: str | None = None
         """Why the tier stepped aside for the rest of this attempt (None: it is on)."""
 
     _in_flight: _LocalWrite | None = None
-    """The write last handed over in this process, whichever attempt did (one thread at a time)."""
+    """The write last handed over in this process, whichever attempt did (one at a time)."""
+    _copier: _Jobs | None = None
+    _writer: _Jobs | None = None
+    """This process's threads (they outlive an attempt): the copy at the training's priority, the
+    write at the lowest. Started once, not at each snapshot: starting a thread waits until it runs."""
 
     @property
     def directory(self) -> Path:
@@ -372,50 +340,102 @@ class LocalTier:
     def save(self, step: int, state: Callable[[], dict]) -> None:
         """Hand this rank's ``state()`` (a nested dict of tensors and plain values) to the
         background write as the snapshot of ``step``, after completing the previous one
-        (:meth:`finish`). Its phases are timed (the ``checkpoint`` event's): ``collect`` (the copy
-        into the buffers), ``replicate`` (with replicas: the clique's exchange), ``write`` (in the
-        background: this rank's snapshot and the replicas it holds, with their checksums),
-        ``agree``. A failed write is not fatal: ``checkpoint_failed`` (tier ``local``), retried at
-        the next one; a write that found no room (a full ``/dev/shm``) turns the tier off on every
-        rank (:meth:`finish`).
+        (:meth:`finish`). Its phases are timed (the ``checkpoint`` event's): ``plan`` (a walk over
+        the state), ``copy`` (into the reused buffer: beside the next step, whose update waits
+        for it, ``copy_wait``; with replicas, here, before ``replicate``, the clique's exchange),
+        ``write`` (this rank's snapshot and the replicas it holds, with their checksums) and, when
+        the steps' own all-reduce did not settle it, ``wait`` and ``agree``. A failed write is
+        not fatal: ``checkpoint_failed`` (tier ``local``), retried at the next one; a write that
+        found no room (a full ``/dev/shm``) turns the tier off on every rank (:meth:`finish`).
         """
         self.finish()
         if self.off is not None:  # the previous write found no room
             return
         started = time.perf_counter()
         ckpt_id = self.manager._ckpt_id(step)
-        snapshots = {ckpt_id: _HostStateDict(_pack(state(), self._buffers))}
-        collected = time.perf_counter()
-        if self.replication is not None:  # every clique member's snapshot of this step, its own included
+        planned = packing.plan(state())
+        write = _LocalWrite(step, started, phases={"plan": time.perf_counter() - started})
+        snapshots = None
+        if self.replication is not None:  # the exchange needs the copy, and is a collective of the training thread
+            snapshots = {ckpt_id: _HostStateDict(self._copy(planned, write))}
+            replicated = time.perf_counter()
             states, ids = self.replication.replicate(snapshots[ckpt_id], ckpt_id)
             snapshots = dict(zip(ids, states, strict=True))
-        replicated = time.perf_counter()
-        phases = {"collect": collected - started} | (
-            {"replicate": replicated - collected} if self.replication is not None else {}
-        )
-        write = _LocalWrite(step, started, blocking_s=0.0, phases=phases)
-        write.thread = threading.Thread(
-            target=self._write, args=(write, snapshots), name="local-tier-write", daemon=True
-        )
+            write.phases["replicate"] = time.perf_counter() - replicated
+        if LocalTier._copier is None or LocalTier._copier.pid != os.getpid():
+            LocalTier._copier, LocalTier._writer = _Jobs("local-tier-copy"), _Jobs("local-tier-write", lowest=True)
         self._pending = LocalTier._in_flight = write
-        write.thread.start()
+        if snapshots is None:
+            LocalTier._copier.submit(partial(self._copy_then_write, write, ckpt_id, planned))
+        else:
+            LocalTier._writer.submit(partial(self._write, write, snapshots))
         write.blocking_s = time.perf_counter() - started
 
+    def _copy(self, planned: packing.Plan, write: _LocalWrite) -> dict:
+        began = time.perf_counter()
+        try:
+            return packing.fill(planned, self._buffers)
+        finally:
+            write.phases["copy"] = time.perf_counter() - began
+            write.copied.set()
+
+    def _copy_then_write(self, write: _LocalWrite, ckpt_id: tuple, planned: packing.Plan) -> None:
+        """On the copy thread: the copy, then the write handed to the write thread."""
+        try:
+            snapshots = {ckpt_id: _HostStateDict(self._copy(planned, write))}
+        except Exception as e:  # reported to every rank by the agreement
+            write.error = _naming(e, self.directory)
+            write.ended.set()
+            return
+        LocalTier._writer.submit(partial(self._write, write, snapshots))
+
     def _write(self, write: _LocalWrite, snapshots: dict) -> None:
-        """The background thread: prune to the newest complete step, then write ``snapshots``."""
-        lower_priority()  # the write has until the next snapshot
+        """On the write thread: prune to the newest complete step, then write the snapshots."""
         began = time.perf_counter()
         try:
             self.manager.prune(keep=self.newest)  # at most two steps: the newest complete one and this one
             self.manager._save_fn(snapshots)
-        except Exception as e:  # reported to every rank by the next agreement
+            write.phases["write"] = time.perf_counter() - began
+        except Exception as e:  # reported to every rank by the agreement
             write.error = _naming(e, self.directory)
-        write.phases["write"] = time.perf_counter() - began
+        finally:
+            write.ended.set()
+
+    def before_update(self) -> None:
+        """Call before the optimizer's step changes the state: waits until the snapshot handed
+        over last has copied it. Its wait counts in that snapshot's stall (``copy_wait``).
+        """
+        write = self._pending
+        if write is None or "copy_wait" in write.phases:
+            return
+        began = time.perf_counter()
+        write.copied.wait()
+        write.phases["copy_wait"] = waited = time.perf_counter() - began
+        write.blocking_s += waited
+
+    def ballot(self) -> list[float]:
+        """This rank's vote on the write in flight, summed by the step's own all-reduce (no
+        collective of its own): whether it ended, failed, found no room.
+        """
+        write = self._pending
+        if write is None or not write.ended.is_set():
+            return [0.0, 0.0, 0.0]
+        failed = write.error is not None
+        return [1.0, float(failed), float(failed and _no_space(write.error))]
+
+    def tally(self, sums: list[float]) -> None:
+        """The step's all-reduce of every rank's :meth:`ballot`: once every rank's write ended,
+        :meth:`finish` needs no wait and no collective of its own.
+        """
+        write = self._pending
+        if write is not None and int(sums[0]) == dist.get_world_size():
+            write.votes, write.agreed = (int(sums[1]), int(sums[2])), time.perf_counter()
 
     def finish(self) -> None:
-        """Collective on ``save_group`` (every rank, also with nothing handed over): wait for the
-        write handed over last and agree whether every rank's succeeded; it then counts. Call it
-        once training is done too, before the snapshots are kept or removed.
+        """Collective on ``save_group`` (every rank, also with nothing handed over), unless the
+        steps' all-reduce settled it (:meth:`tally`): wait for the write handed over last and
+        agree whether every rank's succeeded; it then counts. Call it once training is done too,
+        before the snapshots are kept or removed.
 
         When some rank's write found no room, the tier steps aside on every rank for the rest of
         this attempt (:attr:`off`): each rank removes its snapshots, so that the node's memory
@@ -426,14 +446,19 @@ class LocalTier:
         write, self._pending = self._pending, None
         if write is None:
             return
-        entered = time.perf_counter()
-        write.thread.join()  # a write slower than the steps between two saves stalls the loop here
-        joined = time.perf_counter()
         full = write.error is not None and _no_space(write.error)
-        ok = torch.tensor([-1 if full else int(write.error is None)], dtype=torch.int32)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.save_group)
-        agreed = time.perf_counter()
-        if ok.item() < 0:
+        if write.votes is not None:
+            outcome = -1 if write.votes[1] else int(not write.votes[0])
+        else:
+            entered = time.perf_counter()
+            write.ended.wait()  # a write slower than the steps between two saves stalls the loop here
+            joined = time.perf_counter()
+            ok = torch.tensor([-1 if full else int(write.error is None)], dtype=torch.int32)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.save_group)
+            outcome, write.agreed = int(ok.item()), time.perf_counter()
+            write.phases |= {"wait": joined - entered, "agree": write.agreed - joined}
+            write.blocking_s += write.agreed - entered
+        if outcome < 0:
             self.off = f"no room for the local tier's snapshot of step {write.step} on some rank"
             if full:
                 self.off = f"{write.error}"
@@ -441,11 +466,11 @@ class LocalTier:
                 self.events.emit(RunWarning(kind="local_tier_off", step=write.step, reason=reason))
             self.remove()
             return
-        if ok.item():
+        if outcome:
             self.newest = write.step
         if self.rank != 0:
             return
-        if not ok.item():
+        if not outcome:
             self.events.emit(
                 CheckpointFailed(
                     step=write.step, mode="async", tier="local", error=f"{write.error or 'failed on another rank'}"
@@ -453,16 +478,15 @@ class LocalTier:
             )
             return
         path = self.manager._local_ckpt_path_from_id(self.manager._ckpt_id(write.step))
-        phases = {**write.phases, "wait": joined - entered, "agree": agreed - joined}
         self.events.emit(
             Checkpoint(
                 step=write.step,
                 mode="async",
                 tier="local",
-                blocking_s=write.blocking_s + (agreed - entered),
-                total_s=agreed - write.started,
+                blocking_s=write.blocking_s,
+                total_s=write.agreed - write.started,
                 bytes=path.stat().st_size,
-                phases=phases,
+                phases=write.phases,
             )
         )
 
@@ -471,7 +495,7 @@ class LocalTier:
         ``corrupt-local`` hits).
         """
         if self._pending is not None:
-            self._pending.thread.join()
+            self._pending.ended.wait()
         return max(self.directory.glob(f"iter_*_{self.rank}_local.pt"))  # zero-padded steps: the newest sorts last
 
     def find_latest(self) -> tuple[int, str]:
@@ -505,10 +529,10 @@ class LocalTier:
         """
         ckpt_id = self.manager._ckpt_id(step)
         if self.retrieval is None:
-            return _unpack(self.manager._load_fn(ckpt_id).state_dict)
+            return packing.unpack(self.manager._load_fn(ckpt_id).state_dict)
         plan = self.retrieval.retrieve_plan(self._available, [ckpt_id])  # its own copy where it holds one
         mine = {i: self.manager._load_fn(i) for i in plan.required_ids()}  # what it sends (and keeps)
-        return _unpack(self.retrieval.retrieve_execute(plan, mine)[ckpt_id].state_dict)
+        return packing.unpack(self.retrieval.retrieve_execute(plan, mine)[ckpt_id].state_dict)
 
     def remove(self) -> None:
         """Remove this rank's snapshots, and the run's folder once no rank has any left (after :meth:`finish`)."""
