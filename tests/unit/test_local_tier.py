@@ -9,9 +9,11 @@ tests/integration/test_local_tier_runs.py.
 from __future__ import annotations
 
 import datetime
+import errno
 import io
 import math
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -161,6 +163,32 @@ def test_the_steps_all_reduce_settles_a_write_without_a_collective_of_its_own(
     assert failed.step == 3 and failed.tier == "local" and "pickle" in failed.error
     assert tier.newest == 2 and tier.off is None  # a failed write is retried at the next one
     assert train_step_sums(lambda: [1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+
+
+def test_a_write_that_finds_no_room_after_the_save_turns_the_tier_off(
+    one_rank: dist.ProcessGroup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write still going when the next save agrees on it, which then finds no room: the tier
+    steps aside (its error is read once the write ended, not before)."""
+    (tmp_path / "run").mkdir()
+    tier = LocalTier(
+        tmp_path / "tier" / "run", every=1, group=one_rank, save_group=one_rank, events=EventLog(tmp_path / "run", 0)
+    )
+    release = threading.Event()
+
+    def full(snapshots: dict) -> None:
+        release.wait(30)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tier.manager, "_save_fn", full)
+    tier.step(1, lambda: {"w": torch.ones(4), "rank": {"step": 1}})
+    tier.tally(tier.ballot())  # still writing: not settled
+    threading.Timer(0.2, release.set).start()
+    tier.finish()
+    assert tier.off is not None and "No space left" in tier.off
+    (off,) = [e for e in read_events(tmp_path / "run") if isinstance(e, RunWarning)]
+    assert off.kind == "local_tier_off" and off.step == 1
+    assert not [e for e in read_events(tmp_path / "run") if isinstance(e, CheckpointFailed)]
 
 
 class _Unpicklable:

@@ -446,13 +446,14 @@ class LocalTier:
         write, self._pending = self._pending, None
         if write is None:
             return
-        full = write.error is not None and _no_space(write.error)
         if write.votes is not None:
             outcome = -1 if write.votes[1] else int(not write.votes[0])
+            full = write.error is not None and _no_space(write.error)
         else:
             entered = time.perf_counter()
             write.ended.wait()  # a write slower than the steps between two saves stalls the loop here
             joined = time.perf_counter()
+            full = write.error is not None and _no_space(write.error)
             ok = torch.tensor([-1 if full else int(write.error is None)], dtype=torch.int32)
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.save_group)
             outcome, write.agreed = int(ok.item()), time.perf_counter()
