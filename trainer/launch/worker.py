@@ -12,9 +12,9 @@ until it listens: one import per node instead of one per rank. Only when no zygo
 (no private folder for its socket, or one that fails to start) does it exec the trainer itself,
 as a plain ``python -m trainer.rank.train`` would run.
 
-A rank the kernel's OOM killer ended (SIGKILL, and one more OOM kill counted in this process's
-memory cgroup: ``trainer.cgroup``) is reported here, since the rank itself can write nothing: a
-``failure`` event of kind ``oom`` with its peak RSS, which the zygote learnt as its parent.
+A rank the kernel's OOM killer ended (SIGKILL, and one more OOM kill counted in the memory
+cgroup: ``trainer.cgroup``) is reported by the zygote, its parent, with :func:`report_oom`: the
+rank itself can write nothing, and the launcher may kill this worker before it could.
 
 The launcher's view is unchanged: this is the process it started, monitors and kills. Killing it
 (the launcher SIGKILLs a worker's process group to restart it) closes its connection, and the
@@ -45,7 +45,6 @@ import sys
 import time
 from pathlib import Path
 
-from trainer import cgroup
 from trainer.process import LAUNCHER_PID_ENV, die_with_parent, process_start_ticks, process_start_time
 
 TRAIN_MODULE = "trainer.rank.train"
@@ -209,8 +208,6 @@ def _serve_through(sock: socket.socket, args: list[str]) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
     die_with_parent()  # a launcher that is gone preempts the rank (SIGTERM, forwarded), as it did before
-    memory = cgroup.memory_dir()
-    kills_before = cgroup.oom_kills(memory)
     socket.send_fds(sock, [json.dumps(request_of(args, dict(os.environ))).encode()], [0, 1, 2])
     reply = json.loads(sock.recv(_MAX_MESSAGE) or b"{}")
     if "pid" not in reply:
@@ -232,16 +229,10 @@ def _serve_through(sock: socket.socket, args: list[str]) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(rank, signal.SIGKILL)
         sys.exit("rfsdp worker: the zygote ended before the rank")
-    ended = json.loads(done)
-    status = ended["status"]
-    if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
-        kills = cgroup.oom_kills(memory)
-        if kills is not None and kills_before is not None and kills > kills_before:
-            report_oom(args, ended.get("peak_rss_kb", 0) * 1024, cgroup.memory_limit(memory))
-    _exit_like(status)
+    _exit_like(json.loads(done)["status"])  # an OOM kill: the zygote reports it
 
 
-def report_oom(args: list[str], peak_rss: int, limit: int | None) -> None:
+def report_oom(args: list[str], peak_rss: int, limit: int | None, rank: int) -> None:
     """Write the ``failure`` event (infrastructure, ``oom``) of a rank the OOM killer ended, to the
     run directory in the rank's ``args``: its peak RSS and the step it was in (one past the last
     step logged: the ranks step together). Best effort: the restart goes on regardless.
@@ -251,7 +242,6 @@ def report_oom(args: list[str], peak_rss: int, limit: int | None) -> None:
     run_dir = _flag(args, "--run-dir")
     if run_dir is None:
         return
-    rank = int(os.environ.get("RANK", "0"))
     step = None
     with contextlib.suppress(OSError):
         with open(Path(run_dir) / EVENTS_FILE, "rb") as f:

@@ -47,7 +47,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from trainer.launch.worker import TRAIN_MODULE, lock_address, peer_uid
+from trainer import cgroup
+from trainer.launch.worker import TRAIN_MODULE, lock_address, peer_uid, report_oom
 from trainer.process import process_start_time
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -86,6 +87,11 @@ class _Rank:
     pid: int
     pidfd: int
     conn: socket.socket | None
+    request: Request
+    kills_before: int | None
+    """The memory cgroup's OOM kills when it was forked: one more at its SIGKILL was the kernel's."""
+    killed: bool = False
+    """The zygote killed it (its worker was gone): not the OOM killer."""
 
 
 def _preload() -> None:
@@ -219,13 +225,21 @@ def serve(address: str, agent_pid: int) -> Request | None:
                 for fd in request.fds:
                     os.close(fd)
                 pidfd = os.pidfd_open(pid)
-                ranks[pidfd] = _Rank(pid, pidfd, conn)
+                ranks[pidfd] = _Rank(pid, pidfd, conn, request, cgroup.oom_kills(cgroup.memory_dir()))
                 with contextlib.suppress(OSError):
                     conn.send(json.dumps({"pid": pid}).encode())
             elif isinstance(item, int):  # a rank ended
                 rank = ranks.pop(item)
                 _, status, usage = os.wait4(rank.pid, 0)
                 os.close(rank.pidfd)
+                # Here, not in its worker: the launcher may kill the worker first (a peer's
+                # broken collective ends the job at once), and the kill would go unreported.
+                if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL and not rank.killed:
+                    memory = cgroup.memory_dir()
+                    kills = cgroup.oom_kills(memory)
+                    if kills is not None and rank.kills_before is not None and kills > rank.kills_before:
+                        rank_id = int(rank.request.env.get("RANK", "0"))
+                        report_oom(rank.request.argv, usage.ru_maxrss * 1024, cgroup.memory_limit(memory), rank_id)
                 if rank.conn is not None:
                     ended = {"status": status, "peak_rss_kb": usage.ru_maxrss}  # an OOM kill's size, told by the kernel
                     with contextlib.suppress(OSError):
@@ -236,7 +250,7 @@ def serve(address: str, agent_pid: int) -> Request | None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(rank.pid, signal.SIGKILL)
                 rank.conn.close()
-                rank.conn = None
+                rank.conn, rank.killed = None, True
     return None
 
 
