@@ -189,6 +189,7 @@ def serve(address: str, agent_pid: int) -> Request | None:
     sys.stderr.flush()
     listener: socket.socket | None = _bind(address)
     ranks: dict[int, _Rank] = {}  # by pidfd
+    memory = cgroup.memory_dir()  # the job's, which the ranks inherit
     while listener is not None or ranks:
         waiting = [r.pidfd for r in ranks.values()] + [r.conn for r in ranks.values() if r.conn is not None]
         if listener is not None:
@@ -225,7 +226,7 @@ def serve(address: str, agent_pid: int) -> Request | None:
                 for fd in request.fds:
                     os.close(fd)
                 pidfd = os.pidfd_open(pid)
-                ranks[pidfd] = _Rank(pid, pidfd, conn, request, cgroup.oom_kills(cgroup.memory_dir()))
+                ranks[pidfd] = _Rank(pid, pidfd, conn, request, cgroup.oom_kills(memory))
                 with contextlib.suppress(OSError):
                     conn.send(json.dumps({"pid": pid}).encode())
             elif isinstance(item, int):  # a rank ended
@@ -235,13 +236,12 @@ def serve(address: str, agent_pid: int) -> Request | None:
                 # Here, not in its worker: the launcher may kill the worker first (a peer's
                 # broken collective ends the job at once), and the kill would go unreported.
                 if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL and not rank.killed:
-                    memory = cgroup.memory_dir()
                     kills = cgroup.oom_kills(memory)
                     if kills is not None and rank.kills_before is not None and kills > rank.kills_before:
                         rank_id = int(rank.request.env.get("RANK", "0"))
                         report_oom(rank.request.argv, usage.ru_maxrss * 1024, cgroup.memory_limit(memory), rank_id)
                 if rank.conn is not None:
-                    ended = {"status": status, "peak_rss_kb": usage.ru_maxrss}  # an OOM kill's size, told by the kernel
+                    ended = {"status": status}
                     with contextlib.suppress(OSError):
                         rank.conn.send(json.dumps(ended).encode())
                     rank.conn.close()
