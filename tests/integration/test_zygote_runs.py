@@ -365,3 +365,26 @@ def test_a_worker_ends_as_its_forked_rank_did(status: int, returncode: int) -> N
     code = f"from trainer.launch.worker import _exit_like; _exit_like({int(status)})"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == returncode, proc.stderr[-2000:]
+
+
+def test_a_rank_leaves_as_the_interpreter_would_less_its_teardown(tmp_path: Path) -> None:
+    """``leave``: a non-daemon thread is joined, then the atexit handlers run, stdio is flushed,
+    and the exit code is the one asked for (the module teardown it skips leaves no trace)."""
+    out = tmp_path / "order"
+    program = f"""
+import atexit, sys, threading, time
+from pathlib import Path
+from trainer.process import leave
+out = Path({str(out)!r})
+def late():
+    time.sleep(0.3)
+    with out.open("a") as f: f.write("thread ")
+threading.Thread(target=late).start()
+atexit.register(lambda: out.open("a").write("atexit"))
+sys.stdout.write("unflushed")
+leave(3)
+"""
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout == "unflushed"
+    assert out.read_text() == "thread atexit"

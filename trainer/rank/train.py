@@ -10,6 +10,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import datetime
 import math
@@ -52,7 +53,7 @@ from trainer.events import (
     read_events,
 )
 from trainer.faults import FaultInjector
-from trainer.process import die_with_parent, launcher_pid, process_start_time
+from trainer.process import die_with_parent, launcher_pid, leave, process_start_time
 from trainer.rank.config import Timeouts, TrainConfig, add_train_arguments, replica_cliques
 from trainer.rank.failures import Failures, check_loss, poison_parameters
 from trainer.rank.identity import check_run_dir
@@ -564,7 +565,11 @@ def main(
             EventLog(Path(cfg.run_dir), 0).emit(RunWarning(kind="mirror_incomplete", step=last, reason=reason))
     if preemption.end_launcher:  # it leaves the rendezvous, so the preempted store host can go
         os.kill(launcher_pid(), signal.SIGTERM)
-    sys.exit(preemption.exit_code)
+    # torch._dynamo formats a table of compile times at exit, for a log line nobody reads here
+    # (it imports tabulate to do it: about a second); this loop compiles nothing.
+    if (dynamo := sys.modules.get("torch._dynamo.utils")) is not None:
+        atexit.unregister(dynamo.dump_compile_times)
+    leave(preemption.exit_code)
 
 
 if __name__ == "__main__":  # required: NVRx's checkpoint worker is started with spawn
