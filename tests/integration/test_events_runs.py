@@ -149,7 +149,7 @@ def test_a_torn_line_right_before_run_end_leaves_the_outcome_readable(data_dir: 
 def _worker_of_rank(train_pid: int, rank: int) -> int:
     """The pid of the worker process ft_launcher started for ``rank`` (its direct child)."""
     for launcher in _children(train_pid):
-        if b"ft_launcher" not in Path(f"/proc/{launcher}/cmdline").read_bytes():
+        if b"trainer.launch.agent" not in Path(f"/proc/{launcher}/cmdline").read_bytes():
             continue
         for pid in _children(launcher):
             with contextlib.suppress(OSError):

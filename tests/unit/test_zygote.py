@@ -33,3 +33,20 @@ def test_a_request_carries_no_secret_and_the_rank_gets_them_from_the_zygote() ->
     zygote_env = {**env, "RANK": "0", "UNRELATED_KEY": "z"}
     req = Request(request["argv"], request["env"], request["withheld"], "/", 1, 0.0, [])
     assert rank_environment(req, zygote_env) == env  # the client's RANK; the zygote's other secrets stay out
+
+
+def test_the_agent_names_its_zygote_by_the_rendezvous_id_its_workers_get() -> None:
+    """The agent starts the zygote under the run id ft_launcher gives its workers
+    (``TORCHELASTIC_RUN_ID``): its flag, in either spelling, over ``PET_RDZV_ID``; a flag of the
+    training module after ``-m`` is not ft_launcher's."""
+    from trainer.launch.agent import rendezvous_id
+    from trainer.launch.local import worker_command
+    from trainer.rank.config import TrainConfig
+
+    argv = worker_command(TrainConfig(data="d", run_dir="r"))[3:]
+    assert argv[argv.index("-m") + 1] == "trainer.launch.worker"
+    assert rendezvous_id(argv, {"PET_RDZV_ID": "job-7"}) == "job-7"  # the operator's environment
+    assert rendezvous_id(argv, {}) == "none"  # ft_launcher's default
+    assert rendezvous_id(["--rdzv-id", "a", *argv], {"PET_RDZV_ID": "job-7"}) == "a"
+    assert rendezvous_id(["--rdzv_id=b", *argv], {}) == "b"
+    assert rendezvous_id([*argv, "--rdzv-id", "c"], {"PET_RDZV_ID": "job-7"}) == "job-7"

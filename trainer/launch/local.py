@@ -46,13 +46,16 @@ BACKENDS = ("local", "kubernetes")
 """Where the train step runs the worker command: local processes or a PyTorchJob."""
 
 
-def worker_command(cfg: TrainConfig, ft_launcher: str = "ft_launcher") -> list[str]:
-    """The command every replica runs: ft_launcher (rendezvous from ``PET_*``) + the trainer, each
-    rank through the node's pre-warmed zygote (``trainer.launch.worker``).
+def worker_command(cfg: TrainConfig, python: str = "python") -> list[str]:
+    """The command every replica runs: ft_launcher (rendezvous from ``PET_*``), run by
+    ``trainer.launch.agent`` with the node's pre-warmed zygote started beside it, + the trainer,
+    each rank forked by that zygote (``trainer.launch.worker``).
     """
     t = Timeouts(cfg.hang_timeout, cfg.inprocess_restart)
     return [
-        ft_launcher,
+        python,
+        "-m",
+        "trainer.launch.agent",
         "--ft-restart-policy",
         "any-failed",
         "--ft-initial-rank-heartbeat-timeout",
@@ -365,7 +368,7 @@ def launch_local(
             **operator_env(spec, rdzv_endpoint=placement.rdzv_endpoint(), job_id=job),
             "RFSDP_PORT_BASE": str(free_port_base()),
         }
-        argv = worker_command(cfg, str(Path(sys.executable).parent / "ft_launcher"))
+        argv = worker_command(cfg, sys.executable)
         replicas = [
             _Replica(
                 placement.replica_command(n, argv),

@@ -7,8 +7,9 @@ Example (what ``trainer.launch.local.worker_command`` puts after ``ft_launcher .
 It asks the node's zygote (``trainer.launch.zygote``: a process that has imported torch, NVRx and
 the trainer once) to fork a ready rank with this process's argv, environment, working directory
 and stdio, then stands in for that rank: it forwards SIGTERM / SIGINT to it and exits as it did.
-When no zygote answers (the job's first workers) it starts one in the background and waits
-until it listens: one import per node instead of one per rank. Only when no zygote can serve
+The agent (``trainer.launch.agent``) starts the zygote as it starts; a worker that finds it still
+importing waits until it listens. When none is there at all (ft_launcher run directly) the first
+worker starts one in the background: one import per node instead of one per rank. Only when no zygote can serve
 (no private folder for its socket, or one that fails to start) does it exec the trainer itself,
 as a plain ``python -m trainer.rank.train`` would run.
 
@@ -121,7 +122,7 @@ def _connect(address: str) -> socket.socket | None:
     return sock
 
 
-def _start_zygote(address: str, agent_pid: int) -> subprocess.Popen:
+def start_zygote(address: str, agent_pid: int) -> subprocess.Popen:
     """Start the node's zygote in the background: its own session, so the launcher's kill of a
     worker's process group never reaches it; it ends when the agent does. A second one started
     meanwhile finds the first's lock and exits at once.
@@ -130,7 +131,7 @@ def _start_zygote(address: str, agent_pid: int) -> subprocess.Popen:
         [sys.executable, "-m", ZYGOTE_MODULE, address, str(agent_pid)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
-        start_new_session=True,  # stderr: the worker's log
+        start_new_session=True,  # stderr: the log of the agent's or worker's
     )
 
 
@@ -149,15 +150,16 @@ def _zygote_alive(address: str) -> bool:
     return False
 
 
-def _wait_for_zygote(address: str, started: subprocess.Popen) -> socket.socket | None:
+def _wait_for_zygote(address: str, started: subprocess.Popen | None) -> socket.socket | None:
     """Connect to the zygote at ``address`` once it listens; None when none will (the one this
-    worker ``started`` failed, and no other holds the lock) or it took :data:`ZYGOTE_START_S`.
+    worker ``started`` failed, or none holds the lock) or it took :data:`ZYGOTE_START_S`.
     """
     deadline = time.monotonic() + ZYGOTE_START_S
     while time.monotonic() < deadline:
         if (sock := _connect(address)) is not None:
             return sock
-        if started.poll() is not None and (started.returncode != 0 or not _zygote_alive(address)):
+        ended = started is None or started.poll() is not None
+        if ended and ((started is not None and started.returncode != 0) or not _zygote_alive(address)):
             if (sock := _connect(address)) is not None:  # it may have listened, served and gone meanwhile
                 return sock
             return None
@@ -281,7 +283,10 @@ def main() -> None:
     os.environ[LAUNCHER_PID_ENV] = str(agent)  # a forked rank's parent is the zygote
     address = zygote_address(agent, os.environ.get("TORCHELASTIC_RUN_ID", ""))
     if address is not None:
-        sock = _connect(address) or _wait_for_zygote(address, _start_zygote(address, agent))
+        # One the agent started may still be importing: wait for it rather than start another.
+        sock = _connect(address) or _wait_for_zygote(
+            address, None if _zygote_alive(address) else start_zygote(address, agent)
+        )
         if sock is not None:
             _serve_through(sock, args)
     os.execv(sys.executable, [sys.executable, "-m", TRAIN_MODULE, *args])

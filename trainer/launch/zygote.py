@@ -1,7 +1,8 @@
 """A node's pre-warmed worker: imports the trainer once, then forks a ready rank per request.
 
-Started by the first worker of an agent (``trainer.launch.worker``, which documents the client's
-side) as ``python -m trainer.launch.zygote ADDRESS AGENT_PID``. Every rank of that agent is then a
+Started by the agent (``trainer.launch.agent``) as it starts, or else by its first worker
+(``trainer.launch.worker``, which documents the client's side), as
+``python -m trainer.launch.zygote ADDRESS AGENT_PID``. Every rank of that agent is then a
 fork of this process, the first ones and the restarted ones: it skips the interpreter's start and
 the imports (torch, DCP, NVRx, the trainer and ``torch._dynamo``), seconds of CPU per rank, paid
 once per node instead. As the ranks' parent, the zygote also learns how each ended, and its peak
@@ -15,8 +16,8 @@ What keeps a fork equal to a fresh interpreter:
   itself).
 - The rank gets the client's argv, environment, working directory and stdio (passed with
   SCM_RIGHTS), leads a new session as torch elastic's workers do (its own children, such as the
-  checkpoint writer's worker, stay in its process group), and exits through the interpreter's
-  normal exit (atexit handlers, non-daemon threads joined).
+  checkpoint writer's worker, stay in its process group), and exits as the interpreter would
+  (atexit handlers, non-daemon threads joined; ``trainer.process.leave`` skips only the teardown).
 - The rank's pid is the one NVRx's rank monitor is told (``RankMonitorClient`` reports
   ``os.getpid()``), so a hung rank is killed where it runs; its client then exits the same way.
 

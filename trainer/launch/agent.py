@@ -1,0 +1,58 @@
+"""The command every replica runs: NVRx's ft_launcher, with the node's zygote started beside it.
+
+Example (what ``trainer.launch.local.worker_command`` builds)::
+
+    python -m trainer.launch.agent [ft_launcher flags] -m trainer.launch.worker [train flags]
+
+It is ft_launcher itself (its ``main``, in this process: the agent whose pid the workers and the
+zygote check), with two differences, both for the seconds each job's start and end cost:
+
+- The zygote (``trainer.launch.zygote``) starts first, before ft_launcher imports torch and meets
+  its peers, so that its imports overlap theirs. Otherwise the first worker starts it, after the
+  rendezvous, and every rank waits for both imports in turn. A worker that finds it still
+  importing waits for it (``trainer.launch.worker``); without one, a worker starts it as before.
+- The process ends without the interpreter's teardown (:func:`trainer.process.leave`): with torch
+  loaded, that teardown is seconds of CPU after the job is over.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from trainer.launch.worker import start_zygote, zygote_address
+from trainer.process import leave
+
+
+def rendezvous_id(argv: list[str], env: dict[str, str]) -> str:
+    """The rendezvous id ft_launcher will take from ``argv`` or, as torch elastic's flags do, from
+    ``PET_RDZV_ID`` (default ``none``): its workers' ``TORCHELASTIC_RUN_ID``, which names their zygote.
+    """
+    run_id = env.get("PET_RDZV_ID", "none")
+    for i, arg in enumerate(argv):
+        if arg in ("-m", "--module"):
+            break  # the training module and its own flags follow
+        name, _, value = arg.partition("=")
+        if name in ("--rdzv-id", "--rdzv_id"):
+            run_id = value if value or i + 1 >= len(argv) else argv[i + 1]
+    return run_id
+
+
+def main() -> None:
+    """Start the zygote, then run ft_launcher on this process's argv and leave with its exit code."""
+    address = zygote_address(os.getpid(), rendezvous_id(sys.argv[1:], dict(os.environ)))
+    if address is not None:
+        start_zygote(address, os.getpid())
+    from nvidia_resiliency_ext.fault_tolerance.launcher import main as ft_launcher  # imports torch: after the start
+
+    sys.argv[0] = "ft_launcher"
+    try:
+        ft_launcher()
+        code = 0
+    except SystemExit as e:  # how it always ends
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    leave(code)
+
+
+if __name__ == "__main__":
+    main()
