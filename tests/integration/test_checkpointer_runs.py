@@ -114,23 +114,36 @@ def test_an_async_save_copies_the_state_beside_the_next_step_and_writes_it_as_it
         writer.close()
 
 
-def test_the_async_writer_heartbeats_while_it_makes_its_buffers(one_rank: None, tmp_path: Path) -> None:
+def test_the_async_writer_heartbeats_while_it_makes_its_buffers(
+    one_rank: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A large state's staging buffers take seconds to make (1-2 s for the base model on 2 CPUs):
     the writer calls ``heartbeat`` after each one, so hang detection does not take that for a hang;
     the buffers are shared memory shaped like the state. The ranks then meet (on a group with a
     long timeout) before the planning collective, once per attempt: one rank may be seconds
-    later than another."""
-    from trainer.rank.resilience import AsyncCheckpointWriter
+    later than another. Their plans run on the group given for them (its timeout allows for a
+    coordinator that plans for seconds), not on the saves' own."""
+    from trainer.rank.resilience import AsyncCheckpointWriter, async_writer
 
     writer = AsyncCheckpointWriter(cuda=False)
     made: list[int] = []
+    planned_on: list[object] = []
+    plan = async_writer.save_state_dict_async_plan
+
+    def recording_plan(*args: object, process_group: object, **kwargs: object) -> object:
+        planned_on.append(process_group)
+        return plan(*args, process_group=process_group, **kwargs)
+
+    monkeypatch.setattr(async_writer, "save_state_dict_async_plan", recording_plan)
     try:
         params = {f"w{i}": torch.full((64,), float(i)) for i in range(4)}
         moments = {name: {"exp_avg": torch.zeros(64), "step": torch.tensor(3.0)} for name in params}
         tensors = {"model": params, "optim": {"state": moments, "param_groups": [{"lr": 0.1, "params": list(params)}]}}
         group = new_group()
         hooks = SaveHooks(heartbeat=lambda: made.append("heartbeat"), meet=lambda: made.append("meet"))
-        writer.prepare(tensors, tmp_path / "scratch", group, hooks)
+        plan_group = new_group()
+        writer.prepare(tensors, tmp_path / "scratch", group, hooks, plan_group=plan_group)
+        assert planned_on == [plan_group, plan_group]
         staging = writer._current.staging
         assert made.count("heartbeat") >= len(params) + 2 * len(moments)  # at least once per tensor
         assert made[-1] == "meet" and made.count("meet") == 1  # after the last buffer

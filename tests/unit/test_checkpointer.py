@@ -79,7 +79,14 @@ class FakeWriter:
     def wait_copied(self) -> None:
         """Nothing copied in the background: the state is written in :meth:`start`."""
 
-    def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:
+    def prepare(
+        self,
+        state_dict: dict,
+        directory: Path,
+        group: dist.ProcessGroup,
+        hooks: SaveHooks,
+        plan_group: dist.ProcessGroup,
+    ) -> None:
         self.prepared.append(state_dict)
 
     def poll(self, group: dist.ProcessGroup) -> bool:

@@ -328,7 +328,9 @@ class Checkpointer:
         t0 = time.perf_counter()
         scratch = self.root / f"{PREPARE_DIR}{self.attempt_tag}"
         hooks = SaveHooks(heartbeat=self.heartbeat, meet=self._meet)
-        self.writer.prepare(state()[0], scratch, self.save_group, hooks)  # collective: every rank is done with it after
+        # collective: every rank is done with it after; its plans on the checkpoint group, whose
+        # timeout allows for uneven work
+        self.writer.prepare(state()[0], scratch, self.save_group, hooks, plan_group=self.group)
         if self.rank == 0:
             shutil.rmtree(scratch, ignore_errors=True)
         self.prepare_s, self._warm = time.perf_counter() - t0, True

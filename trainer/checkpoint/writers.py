@@ -86,11 +86,20 @@ class CheckpointWriter(Protocol):
         if nothing was being copied.
         """
 
-    def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:
+    def prepare(
+        self,
+        state_dict: dict,
+        directory: Path,
+        group: dist.ProcessGroup,
+        hooks: SaveHooks,
+        plan_group: dist.ProcessGroup,
+    ) -> None:
         """Collective: do now, once the state is complete, what the first :meth:`start` on
         ``group`` would otherwise pay (buffers, plans), so that it stalls no longer than the
         saves after it; ``directory`` is scratch space, removed afterwards. May do nothing.
-        Uses ``hooks.heartbeat`` and ``hooks.meet``.
+        Its collectives run on ``plan_group``, whose timeout allows uneven work: a large state's
+        first plan takes seconds, longer on the coordinator than on the others. Uses
+        ``hooks.heartbeat`` and ``hooks.meet``.
         """
 
     def poll(self, group: dist.ProcessGroup) -> bool:
@@ -157,7 +166,14 @@ class SyncDcpWriter:
     def wait_copied(self) -> None:
         """Nothing: the state was written before :meth:`start` returned."""
 
-    def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:
+    def prepare(
+        self,
+        state_dict: dict,
+        directory: Path,
+        group: dist.ProcessGroup,
+        hooks: SaveHooks,
+        plan_group: dist.ProcessGroup,
+    ) -> None:
         """Nothing: a synchronous save plans and writes in the loop every time alike."""
 
     def poll(self, group: dist.ProcessGroup) -> bool:

@@ -419,11 +419,20 @@ class AsyncCheckpointWriter:
             current.started = _StartedWrite(Path(directory), fs_writer, metadata, dist_wrapper, hooks)
         hooks.on_phase("write")
 
-    def prepare(self, state_dict: dict, directory: Path, group: dist.ProcessGroup, hooks: SaveHooks) -> None:
+    def prepare(
+        self,
+        state_dict: dict,
+        directory: Path,
+        group: dist.ProcessGroup,
+        hooks: SaveHooks,
+        plan_group: dist.ProcessGroup,
+    ) -> None:
         """Start the worker unless it runs; allocate this attempt's staging buffers and plan
         twice, writing nothing: NVRx's plan cache is used from the second equal plan on, so the
         first save then skips the planning collective like every later one (without this, the
-        first two saves pay it).
+        first two saves pay it). The plans' collectives run on ``plan_group``: on ``group``, with
+        a training collective's timeout, the base model's first plan outlasted it (1.5 s at a
+        5 s hang timeout) beside busy loops, and the job restarted. The cache holds no group.
         """
         self._ensure_worker()
         current = self._attempt_state(group)
@@ -435,7 +444,7 @@ class AsyncCheckpointWriter:
         for _ in range(2):  # plans name files relative to the directory: the same for every save
             plan_only = FileSystemWriterAsync(directory, thread_count=1)  # its directory is made, never written
             save_state_dict_async_plan(
-                state_dict, plan_only, process_group=group, enable_cache=True, metadata_cache=current.plans
+                state_dict, plan_only, process_group=plan_group, enable_cache=True, metadata_cache=current.plans
             )
 
     def poll(self, group: dist.ProcessGroup) -> bool:
