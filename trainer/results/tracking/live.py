@@ -18,7 +18,13 @@ from trainer.results.tracking.runs import (
     run_key,
     source_tags,
 )
-from trainer.results.tracking.uri import TrackingError, redact, resolve_tracking_uri, wait_for_server
+from trainer.results.tracking.uri import (
+    TrackingError,
+    is_local_store,
+    redact,
+    resolve_tracking_uri,
+    wait_for_server,
+)
 
 CLOSE_S = 10.0
 """The most a closing logger waits for its last attempt: a server that is down costs no more."""
@@ -74,9 +80,13 @@ class LiveLogger:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        """Log what is left (one last attempt, at most :data:`CLOSE_S`) and stop; never raises."""
+        """Log what is left (one last attempt) and stop; never raises. A server gets at most
+        :data:`CLOSE_S` (one that is down costs no more); a local store is waited for. Its first
+        write makes and migrates the database, seconds on a busy machine: cut off by the
+        process's exit, it left a half-made database that every later client failed to open.
+        """
         self._stop.set()
-        self._thread.join(CLOSE_S)
+        self._thread.join(None if is_local_store(self.uri) else CLOSE_S)
 
     def _loop(self) -> None:
         from mlflow.exceptions import MlflowException
