@@ -20,10 +20,14 @@ def test_a_closing_live_logger_waits_for_a_local_store_not_for_a_server(
 
     if uri == "sqlite":
         uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    done = threading.Event()
+    done, release = threading.Event(), threading.Event()
+    if waited:
+        release.set()  # the local store's write ends on its own, after CLOSE_S
+    # A server's write is held until after the check, so that the check holds at any speed.
 
     def slow_flush(self: live.LiveLogger) -> None:
         time.sleep(0.5)
+        release.wait(60)
         done.set()
 
     monkeypatch.setattr(live, "CLOSE_S", 0.05)
@@ -31,3 +35,4 @@ def test_a_closing_live_logger_waits_for_a_local_store_not_for_a_server(
     with live.LiveLogger(tmp_path / "run", tracking_uri=uri, interval_s=60):
         pass
     assert done.is_set() == waited
+    release.set()
