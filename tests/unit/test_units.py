@@ -510,8 +510,9 @@ def test_a_store_client_connects_once_its_server_listens(monkeypatch: pytest.Mon
 def test_an_abort_cuts_only_the_connections_made_while_recording() -> None:
     """What an in-process restart's abort shuts down: the internet connections opened while the
     attempt's groups were made. Not their listening sockets (gloo ends the process if its listener
-    fails), not a Unix socket (ft_launcher's monitor), not what was opened before or after, and
-    not a descriptor whose number was reused."""
+    fails), not a Unix socket (ft_launcher's monitor), not what was opened before or after, not
+    a descriptor whose number was reused, and neither end of a connection on a spared port (the
+    wrapper's store: rank 0 hosts it, and a peer's monitor process may connect while it records)."""
     import socket
 
     from trainer.rank.resilience import CollectiveConnections
@@ -519,12 +520,15 @@ def test_an_abort_cuts_only_the_connections_made_while_recording() -> None:
     server = socket.create_server(("127.0.0.1", 0))
     address = server.getsockname()
     before = socket.create_connection(address)
-    connections = CollectiveConnections()
+    wrapper_store = socket.create_server(("127.0.0.1", 0))
+    connections = CollectiveConnections(spared_ports=frozenset({wrapper_store.getsockname()[1]}))
     with connections.recording():
         made = socket.create_connection(address)
         gone = socket.create_connection(address)
         listener = socket.create_server(("127.0.0.1", 0))
         unix, unix_peer = socket.socketpair()
+        to_store = socket.create_connection(wrapper_store.getsockname())  # a client: the peer's port is spared
+        accepted = wrapper_store.accept()[0]  # the server's end: its own port is
     before_peer, made_peer, gone_peer = (server.accept()[0] for _ in range(3))
     other = socket.create_connection(address)
     reused = socket.socket(fileno=os.dup2(other.fileno(), gone.detach()))  # another socket at gone's number
@@ -538,6 +542,8 @@ def test_an_abort_cuts_only_the_connections_made_while_recording() -> None:
         (reused, other_peer),
         (unix, unix_peer),
         (to_listener, listener.accept()[0]),
+        (to_store, accepted),
+        (accepted, to_store),
     ]:
         end.sendall(b"x")
         assert peer.recv(1) == b"x"
@@ -556,6 +562,9 @@ def test_an_abort_cuts_only_the_connections_made_while_recording() -> None:
         reused,
         other_peer,
         to_listener,
+        wrapper_store,
+        to_store,
+        accepted,
     ):
         s.close()
 

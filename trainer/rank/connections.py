@@ -39,9 +39,15 @@ class CollectiveConnections:
     the process when its listener fails). What is recorded is every internet socket the process
     opened while :meth:`recording` ran: a connection another thread opened in those milliseconds
     (rank 0's checkpoint mirror, uploading) is cut too, and that upload is retried.
+
+    Connections to or from ``spared_ports`` are never cut: the in-process wrapper's store. Its
+    server runs in rank 0's process, so a peer's monitor process that connected while rank 0
+    recorded left its accepted socket among rank 0's. Cutting it ended that monitor process, and
+    that rank's next fault reached no peer: a soft fault became an in-job restart.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, spared_ports: frozenset[int] = frozenset()) -> None:
+        self._spared = spared_ports
         self._made: dict[int, int] = {}
         self._lock = threading.Lock()  # the abort runs on the wrapper's monitor thread
         self.aborted = False
@@ -82,12 +88,14 @@ class CollectiveConnections:
                 continue
             with socket.socket(fileno=duplicate) as sock:
                 try:
-                    if sock.family in (socket.AF_INET, socket.AF_INET6) and not sock.getsockopt(
-                        socket.SOL_SOCKET, socket.SO_ACCEPTCONN
+                    if (
+                        sock.family in (socket.AF_INET, socket.AF_INET6)
+                        and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                        and not {sock.getsockname()[1], sock.getpeername()[1]} & self._spared
                     ):
                         sock.shutdown(socket.SHUT_RDWR)
                         cut += 1
-                except OSError:  # never connected, or already shut
+                except OSError:  # never connected (no peer), or already shut
                     continue
         return cut
 

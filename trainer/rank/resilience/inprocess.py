@@ -89,7 +89,7 @@ def run_restartable(
     ``atomic`` (the step watch ends there: the restart's time is no step's).
     """
     base = _port_base()
-    connections = CollectiveConnections()
+    connections = CollectiveConnections(spared_ports=frozenset({base}))  # the wrapper's store stays
     wrapper = inprocess.Wrapper(
         # A rank that is gone (killed, or ended by a fatal error) is never trained without: the
         # wrapper would shrink the world; in-job restart brings the whole job back instead.
