@@ -5,10 +5,9 @@ A fixed timeout must allow for the slowest step any model may take, so a hang at
 cost 10 s of waiting. The run's pace knows better: a step that lasts four times the slowest of
 the last twenty is stuck. The floor keeps scheduling noise, a garbage collection, or a rank
 waiting for a peer that raised from counting as a hang: it is inside its step until the in-process
-wrapper interrupts it, which took over 1.2 s beside busy loops on every core (a 1.5 s floor turned
-such a soft fault into an in-job restart). A step so slow
-that its watch would reach ``hang_timeout`` is not watched at all: the heartbeats, which also
-come from within each step, are then the tighter watch.
+wrapper interrupts it (at most 1.0 s from the fault to the next step beside busy loops on every
+core). A step so slow that its watch would reach ``hang_timeout`` is not watched at all: the
+heartbeats, which also come from within each step, are then the tighter watch.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ STEP_SECTION = "step"
 """The rank monitor's section that a watched step is inside (ft_launcher declares it)."""
 PACE_MULTIPLE = 4.0
 """A step lasting this many times the slowest recent one counts as hung."""
-PACE_FLOOR_S = 2.5
+PACE_FLOOR_S = 1.5
 """The shortest step watch, in seconds."""
 PACE_WINDOW = 20
 """Recent steps the pace is taken from: a write in flight every ten steps is among them."""
