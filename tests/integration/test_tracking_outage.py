@@ -55,6 +55,8 @@ def test_an_outage_of_the_tracking_server_mid_run_loses_and_repeats_nothing(
         "100000",
         "--ckpt-every",
         "100",
+        "--nproc-per-node",
+        "1",  # one rank: what is under test is the logging, and a second rank took the other core
     ]
     proc = subprocess.Popen(
         [sys.executable, "-m", "trainer.cli", *cmd, "--tracking-uri", uri, "--experiment", experiment],
