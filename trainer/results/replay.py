@@ -1,7 +1,8 @@
 """The ``replays`` check: the real trainer re-runs from a checkpoint, and must match the run.
 
-It resumes from a copy of the checkpoint in a scratch run dir (``launch_local``, the original
-world size) and compares its losses with the run's logged ones bit for bit. A run's last
+It resumes from a copy of the checkpoint in a scratch run dir, on the original world size (each
+rank forked from this process: :func:`trainer.launch.forked.run_forked`), and compares its losses
+with the run's logged ones bit for bit. A run's last
 checkpoint has no logged steps after it: then the trainer reproduces it from the newest earlier
 checkpoint (or from initialization), and the checkpoint it writes (tensors, data position, RNG)
 must equal the validated one too. The only check that trains, so the dearest: validation runs it
@@ -27,8 +28,7 @@ from trainer.checkpoint import (
     verify_checkpoint,
 )
 from trainer.events import final_losses, read_events
-from trainer.launch.local import launch_local
-from trainer.launch.spec import LaunchSpec
+from trainer.launch.forked import run_forked
 from trainer.rank.identity import RUN_CONFIG
 from trainer.results.checks import Check, Target, few
 from trainer.results.states import differences
@@ -72,15 +72,13 @@ def check_replays(t: Target) -> Check:
         cfg = dataclasses.replace(
             t.cfg, run_dir=str(scratch), stop_at_step=stop, ckpt_mode="sync", inprocess_restart=False, **no_tier
         )
-        world = t.manifest["world_size"]
+        world, log = t.manifest["world_size"], scratch / "logs" / "replay.log"
         try:
-            code = launch_local(cfg, LaunchSpec(nnodes=1, nproc_per_node=world, max_restarts=0), progress=False)
+            code = run_forked(cfg, world, log)
         except ValueError as e:
             return Check("replays", False, values, f"could not replay on the original world size {world}: {e}")
         if code:
-            tail = " / ".join(
-                (scratch / "logs" / "replica_0.log").read_text(errors="replace").strip().splitlines()[-3:]
-            )
+            tail = " / ".join(log.read_text(errors="replace").strip().splitlines()[-3:])
             return Check("replays", False, values, f"the replay failed (exit code {code}): {tail}")
         replayed = final_losses(read_events(scratch))
         values["losses"] = {s: {"logged": logged[s], "replayed": replayed.get(s)} for s in compare}
