@@ -70,34 +70,56 @@ def first_step_loss(model_dir: Path, data: Path) -> float:
     return sum(per_rank) / 2
 
 
+FAULTS = "exception@6:1,sigkill@10:0"
+
+
+def baseline_and_faulted(model: str, data: Path, folder: Path, *, resumed: bool = False) -> tuple[Path, Path]:
+    """``model`` trained for 12 steps uninterrupted, and again with an in-process and an in-job
+    restart; ``resumed``: the faulted one with the local tier, stopped at step 8 by one `rfsdp
+    train` and resumed to 12 by another (each fault fires in the session that reaches its step)."""
+    baseline, faulted = folder / "baseline", folder / "faulted"
+    train(data, baseline, "--model", model, *RUN)
+    if resumed:
+        tier = ("--local-ckpt-every", "1")
+        train(data, faulted, "--model", model, *RUN, *tier, "--fault", FAULTS, "--stop-at-step", "8")
+        train(data, faulted, "--model", model, *RUN, *tier, "--fault", FAULTS)
+    else:
+        train(data, faulted, "--model", model, *RUN, "--fault", FAULTS)
+    return baseline, faulted
+
+
+@pytest.fixture(scope="module")
+def llama_runs(llama_weights: Path, data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The Llama from its weights: uninterrupted, and faulted, with the local tier, and resumed
+    by a second `rfsdp train` (shared by the resume test and the validation test)."""
+    return baseline_and_faulted(f"hf:{llama_weights}", data_dir, tmp_path_factory.mktemp("llama-runs"), resumed=True)
+
+
 @pytest.mark.parametrize("kind", ["llama-weights", "qwen2-config", "py-example"])
 def test_a_model_of_your_own_resumes_bit_for_bit_after_faults(
-    kind: str, llama_weights: Path, qwen2_config: Path, data_dir: Path, tmp_path: Path
+    kind: str, llama_weights: Path, qwen2_config: Path, data_dir: Path, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    model = {
-        "llama-weights": f"hf:{llama_weights}",
-        "qwen2-config": f"hf:{qwen2_config}",
-        "py-example": "py:trainer.models.example:build",
-    }[kind]
-    baseline, faulted = tmp_path / "baseline", tmp_path / "faulted"
-    train(data_dir, baseline, "--model", model, *RUN)
-    tier = ("--local-ckpt-every", "1") if kind == "llama-weights" else ()  # one of them with the local tier too
-    train(data_dir, faulted, "--model", model, *RUN, *tier, "--fault", "exception@6:1,sigkill@10:0")
+    if kind == "llama-weights":
+        baseline, faulted = request.getfixturevalue("llama_runs")
+    else:
+        model = {"qwen2-config": f"hf:{qwen2_config}", "py-example": "py:trainer.models.example:build"}[kind]
+        baseline, faulted = baseline_and_faulted(model, data_dir, tmp_path)
+    resumed = kind == "llama-weights"  # that one with the local tier too, and resumed by a second session
     assert sorted(losses(baseline)) == list(range(1, 13))
     assert losses(faulted) == losses(baseline)  # every step's final loss, bit for bit
     sources = [e.source for e in select(read_events(faulted), Restart)]
-    assert len(sources) == 2 and (not tier or "local" in sources), sources
+    assert len(sources) == 2 and (not resumed or "local" in sources), sources
     starts = select(read_events(faulted), RunStart)
-    assert len(starts) == 1 and starts[0].config["seq_len"] == 32
+    assert [s.resumed_from_step for s in starts] == ([0, 8] if resumed else [0])
+    assert all(s.config["seq_len"] == 32 for s in starts)
     if kind == "llama-weights":  # training continued from the saved weights, not from a fresh initialization
         assert math.isclose(losses(baseline)[1], first_step_loss(llama_weights, data_dir), rel_tol=1e-5)
     assert losses(baseline)[12] < losses(baseline)[1]
 
 
-def test_a_resumed_hf_run_validates_with_all_six_checks(llama_weights: Path, data_dir: Path, tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    train(data_dir, run, "--model", f"hf:{llama_weights}", *RUN, "--stop-at-step", "8")
-    train(data_dir, run, "--model", f"hf:{llama_weights}", *RUN)
+def test_a_resumed_hf_run_validates_with_all_six_checks(llama_runs: tuple[Path, Path]) -> None:
+    """The Llama run that was faulted and resumed by a second `rfsdp train`."""
+    _, run = llama_runs
     proc = rfsdp("validate", "--run-dir", str(run), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     verdict = json.loads(proc.stdout)
