@@ -61,6 +61,10 @@ def _run_rank(main, argv: list[str], env: dict[str, str], out: int) -> None:  # 
         _forget_exit_handlers()
         os.dup2(out, 1)
         os.dup2(out, 2)
+        # This process's sys.stdout and sys.stderr may write elsewhere than descriptors 1 and 2
+        # (pytest's capture does): the rank's write to the log, as a new process's would.
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
         os.environ.update(env)
         main(argv)
         code = 0
