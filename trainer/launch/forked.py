@@ -3,7 +3,8 @@
 Validation's ``replays`` check re-runs the trainer for a few steps. Under ``launch_local`` that
 job paid ft_launcher's import of torch and the zygote's import of the trainer (about 4 s of CPU)
 before its first step. Here this process imports the trainer once and forks each rank from it,
-as the zygote would. No layer restarts anything: a rank that fails ends the job.
+as the zygote would. No layer restarts anything, and no launcher watches for a hang: a rank
+that fails ends the job, and so does the caller's deadline.
 """
 
 from __future__ import annotations
@@ -15,18 +16,24 @@ import sys
 import time
 import traceback
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 from trainer.launch.local import check_launch, free_port
 from trainer.launch.spec import LaunchSpec
 from trainer.rank.config import TrainConfig
 
+TIMED_OUT = 124
+"""The job's code when it outlived its deadline (as ``timeout`` reports it)."""
 
-def run_forked(cfg: TrainConfig, world_size: int, log: Path) -> int:
+
+def run_forked(cfg: TrainConfig, world_size: int, log: Path, *, timeout_s: float) -> int:
     """Train ``cfg`` on ``world_size`` ranks on this host, each a fork of this process, and wait.
 
     Returns 0 when every rank succeeded, else the exit code of the first that failed (after the
-    others were killed: they would wait for it in their next collective). Every rank writes to ``log``.
+    others were killed: they would wait for it in their next collective), or :data:`TIMED_OUT`
+    when ranks were still running ``timeout_s`` after the start (they are killed). Every rank
+    writes to ``log``.
 
     Raises:
         ValueError: what ``launch_local`` refuses before a process starts (world size, data, model, run dir).
@@ -51,10 +58,14 @@ def run_forked(cfg: TrainConfig, world_size: int, log: Path) -> int:
             if pid == 0:
                 _run_rank(train.main, cfg.to_argv(), {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, out.fileno())
             pids.append(pid)
-    return _wait(pids)
+    code = _wait(pids, time.monotonic() + timeout_s)
+    if code == TIMED_OUT:
+        with open(log, "a") as out:
+            print(f"rfsdp: the forked ranks did not finish within {timeout_s:.0f} s: killed", file=out)
+    return code
 
 
-def _run_rank(main, argv: list[str], env: dict[str, str], out: int) -> None:  # noqa: ANN001
+def _run_rank(main: Callable[[list[str]], None], argv: list[str], env: dict[str, str], out: int) -> None:
     """In the fork: become the rank and never return (the trainer leaves with ``os._exit`` too)."""
     code = 1
     try:
@@ -90,10 +101,16 @@ def _forget_exit_handlers() -> None:
     weakref.finalize._registered_with_atexit = False
 
 
-def _wait(pids: list[int]) -> int:
-    """Wait for every rank; at the first failure, kill the rest and return its exit code."""
+def _wait(pids: list[int], deadline: float) -> int:
+    """Wait for every rank; at the first failure, or at the deadline, kill the rest and return
+    the failed rank's exit code (:data:`TIMED_OUT` at the deadline).
+    """
     code, running = 0, list(pids)
     while running:
+        if not code and time.monotonic() > deadline:
+            code = TIMED_OUT
+            for pid in running:
+                os.kill(pid, signal.SIGKILL)
         for pid in list(running):
             done, status = os.waitpid(pid, os.WNOHANG)
             if not done:

@@ -2,11 +2,11 @@
 
 It resumes from a copy of the checkpoint in a scratch run dir, on the original world size (each
 rank forked from this process: :func:`trainer.launch.forked.run_forked`), and compares its losses
-with the run's logged ones bit for bit. A run's last
-checkpoint has no logged steps after it: then the trainer reproduces it from the newest earlier
-checkpoint (or from initialization), and the checkpoint it writes (tensors, data position, RNG)
-must equal the validated one too. The only check that trains, so the dearest: validation runs it
-last, and only for a checkpoint the others (:mod:`trainer.results.checks`) accepted.
+with the run's logged ones bit for bit. A run's last checkpoint has no logged steps after it:
+then the trainer reproduces it from the newest earlier checkpoint (or from initialization), and
+the checkpoint it writes (tensors, data position, RNG) must equal the validated one too. The only
+check that trains, so the dearest: validation runs it last, and only for a checkpoint the others
+(:mod:`trainer.results.checks`) accepted.
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ from trainer.results.checks import Check, Target, few
 from trainer.results.states import differences
 
 TRAJECTORY_RANK_STATE = ("step", "loader", "rng")
+START_S = 300
+"""What the replay's ranks may take to start, build the model and resume, beyond the run's hang
+timeout per step: no launcher watches them, so a hung replay fails the check at this deadline."""
 
 
 def check_replays(t: Target) -> Check:
@@ -74,7 +77,7 @@ def check_replays(t: Target) -> Check:
         )
         world, log = t.manifest["world_size"], scratch / "logs" / "replay.log"
         try:
-            code = run_forked(cfg, world, log)
+            code = run_forked(cfg, world, log, timeout_s=START_S + cfg.hang_timeout * len(compare))
         except ValueError as e:
             return Check("replays", False, values, f"could not replay on the original world size {world}: {e}")
         if code:
