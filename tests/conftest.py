@@ -153,6 +153,21 @@ def losses(run_dir: Path) -> dict[int, float]:
     return final_losses(read_events(run_dir))
 
 
+def why_it_restarted(run_dir: Path) -> str:
+    """For an assertion's message: the run's failure events and what its launchers logged about
+    timeouts, failed ranks and restarts (a restart that should not have happened, seen only in CI).
+    """
+    failures = [line for line in (run_dir / "events.jsonl").read_text().splitlines() if '"failure"' in line]
+    marks = ("timeout", "timed out", "heartbeat", "section", "failed", "restart", "error", "killed", "signal")
+    logged = [
+        f"{log.name}: {line[:300]}"
+        for log in sorted((run_dir / "logs").glob("*.log"))
+        for line in log.read_text(errors="replace").splitlines()
+        if any(mark in line.lower() for mark in marks) and "waitForInput" not in line
+    ]
+    return "\n".join(["failure events:", *failures, "launcher lines:", *logged[-60:]])
+
+
 def tier_of(run: Path) -> Path:
     """The run's local tier folder on this machine (from the config the launcher recorded)."""
     cfg = TrainConfig.from_mapping({**json.loads((run / "config.json").read_text()), "data": "-", "run_dir": str(run)})

@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conftest import ROOT, assert_nothing_of_the_run_left, losses, train
+from tests.conftest import ROOT, assert_nothing_of_the_run_left, losses, train, why_it_restarted
 from tests.integration.test_training import assert_same_tensors
 from trainer.checkpoint import CHECKPOINTS, latest_checkpoint, read_full_state, step_dir_name, verify_checkpoint
 from trainer.errors import FATAL_EXIT_CODE
@@ -290,7 +290,7 @@ def test_a_step_slower_than_the_hang_timeout_is_not_a_hang(data_dir: Path, tmp_p
     # The case at hand: a watched step slower than the soft timeout. (The first step is not
     # watched: the wrapper's watchdog starts at the first report after it.)
     assert max(e.step_time_s for e in select(events, Step) if e.step > 1) > Timeouts(5, inprocess=True).soft
-    assert restarts(run) == []
+    assert restarts(run) == [], why_it_restarted(run)
     assert [e.status for e in select(events, RunEnd)] == ["completed"]
 
 
@@ -319,7 +319,8 @@ def test_steps_slowed_by_a_busy_machine_midway_are_not_taken_for_hangs(data_dir:
     # A quarter of a core at least went to the loops (beside a CI run, 0.39 of one)
     assert hogs_cpu_s > 0.25 * loaded_s, (hogs_cpu_s, loaded_s)
     steps = select(read_events(run), Step)
-    assert restarts(run) == [] and [e.step for e in steps] == list(range(1, 15))
+    assert restarts(run) == [], why_it_restarted(run)
+    assert [e.step for e in steps] == list(range(1, 15))
     log = "".join(p.read_text() for p in sorted((run / "logs").glob("replica_*.log")))
     watched = [int(n) for n in re.findall(r"^rank \d: (\d+) steps watched at the run's pace", log, re.MULTILINE)]
     # Step 6, the first beside the loops, was watched at the quiet pace (a watch that would reach
