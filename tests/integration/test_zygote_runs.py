@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -29,6 +30,7 @@ from tests.conftest import NOBODY, ROOT
 from tests.reaper import TAG_ENV, alive
 from trainer.events import FaultFired, Restart, RunEnd, RunStart, Step, read_events, select
 from trainer.faults import FAULTS_DIR
+from trainer.launch.local import RUN_DIR_LOCK
 from trainer.launch.worker import ZYGOTE_MODULE, lock_address, zygote_address
 
 
@@ -80,23 +82,26 @@ def ours() -> list[Proc]:
 
 
 def zygotes() -> dict[int, tuple[str, int]]:
-    """This test's zygotes (pid -> address, agent pid): processes started as the zygote that hold
-    its lock file open. Its forks (the ranks, their children, NVRx's monitors double-forked from
-    them) carry its command line too, but none keeps the lock.
+    """This test's zygotes (pid -> address, agent pid): the processes that hold a zygote's lock
+    file open. Its forks (the ranks, their children, NVRx's monitors double-forked from them)
+    close it. The agent forks its zygote (its parent); a worker starts one as
+    ``python -m trainer.launch.zygote ADDRESS AGENT_PID``.
     """
     found = {}
     for p in ours():
-        if ZYGOTE_MODULE in p.argv[1:4] and holds(p.pid, lock_address(p.argv[-2])):
-            found[p.pid] = (p.argv[-2], int(p.argv[-1]))
+        lock = next((path for path in open_paths(p.pid) if re.fullmatch(r".*/zygote-[0-9a-f]+\.lock", path)), None)
+        if lock is not None:
+            agent = int(p.argv[-1]) if ZYGOTE_MODULE in p.argv[1:4] else p.ppid
+            found[p.pid] = (lock.removesuffix(".lock"), agent)
     return found
 
 
-def holds(pid: int, path: str) -> bool:
-    """Whether the process ``pid`` has the file ``path`` open."""
+def open_paths(pid: int) -> list[str]:
+    """The files the process ``pid`` has open."""
     try:
-        return any(f.path == path for f in psutil.Process(pid).open_files())
+        return [f.path for f in psutil.Process(pid).open_files()]
     except psutil.Error:  # gone meanwhile
-        return False
+        return []
 
 
 def one_listening_zygote() -> list | None:
@@ -145,6 +150,11 @@ def test_restarts_are_served_by_the_zygote_which_ends_with_the_run(data_dir: Pat
         assert oct(Path(address).parent.stat().st_mode & 0o777) == oct(0o700)
         # Each leads its own session, as a worker does (a fork is seen before it calls setsid).
         first = wait_for("the first workers' ranks, forked", lambda: session_leaders(forked_ranks(zygote), 2))
+        # The run dir's lock is the job's (its launcher and agent hold it), not the zygote's nor a
+        # rank's: those outlive the agent by a moment, and a next job on the run dir was refused.
+        lock = str(run / RUN_DIR_LOCK)
+        assert lock in open_paths(psutil.Process(zygote).ppid())
+        assert not [pid for pid in (zygote, *first) if lock in open_paths(pid)]
         assert worker("trainer.rank.train", 0) is None and worker("trainer.rank.train", 1) is None  # none exec'd
         wait_for("a step", lambda: select(read_events(run), Step))  # the restart's timeline starts there
         (start,) = select(read_events(run), RunStart)

@@ -1,4 +1,4 @@
-"""The command every replica runs: NVRx's ft_launcher, with the node's zygote started beside it.
+"""The command every replica runs: NVRx's ft_launcher, with the node's zygote forked from it.
 
 Example (what ``trainer.launch.local.worker_command`` builds)::
 
@@ -7,8 +7,9 @@ Example (what ``trainer.launch.local.worker_command`` builds)::
 It is ft_launcher itself (its ``main``, in this process: the agent whose pid the workers and the
 zygote check), with two differences, both for the seconds each job's start and end cost:
 
-- The zygote (``trainer.launch.zygote``) starts first, before ft_launcher imports torch and meets
-  its peers, so that its imports overlap theirs. Otherwise the first worker starts it, after the
+- The zygote (``trainer.launch.zygote``) is forked once this process has imported torch, before
+  ft_launcher starts anything (no thread yet): torch is imported once for both, and the zygote's
+  other imports overlap ft_launcher's rendezvous. Otherwise the first worker starts it, after the
   rendezvous, and every rank waits for both imports in turn. A worker that finds it still
   importing waits for it (``trainer.launch.worker``); without one, a worker starts it as before.
 - The process ends without the interpreter's teardown (:func:`trainer.process.leave`): with torch
@@ -21,6 +22,7 @@ import os
 import sys
 
 from trainer.launch.worker import start_zygote, zygote_address
+from trainer.launch.zygote import fork_zygote
 from trainer.process import leave
 
 
@@ -42,8 +44,11 @@ def main() -> None:
     """Start the zygote, then run ft_launcher on this process's argv and leave with its exit code."""
     address = zygote_address(os.getpid(), rendezvous_id(sys.argv[1:], dict(os.environ)))
     if address is not None:
-        start_zygote(address, os.getpid())
-    from nvidia_resiliency_ext.fault_tolerance.launcher import main as ft_launcher  # imports torch: after the start
+        import torch  # noqa: F401  (for both: ft_launcher's import and the zygote's)
+
+        if fork_zygote(address) is None:
+            start_zygote(address, os.getpid())
+    from nvidia_resiliency_ext.fault_tolerance.launcher import main as ft_launcher
 
     sys.argv[0] = "ft_launcher"
     try:

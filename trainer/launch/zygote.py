@@ -1,8 +1,8 @@
 """A node's pre-warmed worker: imports the trainer once, then forks a ready rank per request.
 
-Started by the agent (``trainer.launch.agent``) as it starts, or else by its first worker
-(``trainer.launch.worker``, which documents the client's side), as
-``python -m trainer.launch.zygote ADDRESS AGENT_PID``. Every rank of that agent is then a
+Forked by the agent (``trainer.launch.agent``) once it has imported torch (:func:`fork_zygote`),
+or else started by its first worker (``trainer.launch.worker``, which documents the client's side)
+as ``python -m trainer.launch.zygote ADDRESS AGENT_PID``. Every rank of that agent is then a
 fork of this process, the first ones and the restarted ones: it skips the interpreter's start and
 the imports (torch, DCP, NVRx, the trainer and ``torch._dynamo``), seconds of CPU per rank, paid
 once per node instead. As the ranks' parent, the zygote also learns how each ended, and its peak
@@ -44,13 +44,15 @@ import select
 import signal
 import socket
 import sys
+import threading
 import time
+import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from trainer import cgroup
 from trainer.launch.worker import TRAIN_MODULE, lock_address, peer_uid, report_oom
-from trainer.process import process_start_time
+from trainer.process import leave, process_start_time
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _MAX_MESSAGE = 1 << 20
@@ -287,15 +289,55 @@ def run_rank(request: Request, agent_pid: int) -> None:
     train.main(request.argv, startup=startup, launcher_started=process_start_time(agent_pid))
 
 
-def main() -> None:
-    """``python -m trainer.launch.zygote ADDRESS AGENT_PID`` (started by ``trainer.launch.worker``)."""
-    address, agent_pid = sys.argv[1], int(sys.argv[2])
+def fork_zygote(address: str) -> int | None:
+    """From the agent, once it has imported torch and before it starts anything else: fork the
+    node's zygote, which then imports only the rest of :data:`PRELOAD`. A fresh interpreter would
+    import torch a second time, a second of CPU per node start. Its own session, as
+    :func:`trainer.launch.worker.start_zygote`'s; returns its pid, or None (nothing forked) when
+    this process runs a Python thread already: a lock it held would stay held in the fork. The
+    one native thread torch's import starts is OpenBLAS's pool, which stops itself around a fork,
+    as for the zygote's own forks.
+    """
+    if threading.active_count() > 1:
+        return None
+    agent_pid = os.getpid()
+    pid = os.fork()
+    if pid:
+        return pid
+    try:  # never back into the agent's code: this process ends as the interpreter's exit would
+        os.setsid()
+        # What a fresh interpreter started with close_fds gets: nothing of the agent's but stdio.
+        # The run dir's lock above all, which the agent holds for its job: the zygote outlives
+        # the agent by a moment, and a next job on the run dir was refused meanwhile.
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        devnull = os.open(os.devnull, os.O_RDWR)
+        os.dup2(devnull, 0)
+        os.dup2(devnull, 1)  # stderr stays: the agent's log
+        os.close(devnull)
+        _serve_and_run(address, agent_pid)
+        code = 0
+    except SystemExit as e:  # a rank's sys.exit
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int | None):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    leave(code)
+
+
+def _serve_and_run(address: str, agent_pid: int) -> None:
     request = serve(address, agent_pid)
     if (
         request is None
     ):  # the zygote itself, done: nothing of it needs a teardown (its sockets go with it), so it ends at once
         os._exit(0)
     run_rank(request, agent_pid)
+
+
+def main() -> None:
+    """``python -m trainer.launch.zygote ADDRESS AGENT_PID`` (started by ``trainer.launch.worker``)."""
+    _serve_and_run(sys.argv[1], int(sys.argv[2]))
 
 
 if __name__ == "__main__":
