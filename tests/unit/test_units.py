@@ -38,7 +38,7 @@ from trainer.events import (
     to_record,
 )
 from trainer.faults import parse_fault_spec
-from trainer.launch.local import STORE_PORT_SPAN, check_launch, free_port_base
+from trainer.launch.local import STORE_PORT_SPAN, check_launch, free_port, free_port_base
 from trainer.launch.spec import LaunchSpec
 from trainer.rank.config import Timeouts, TrainConfig
 from trainer.rank.recovery import RunHistory, describe_restart, read_history
@@ -353,7 +353,7 @@ def test_validation_replays_never_touch_the_runs_mirror_or_faults(tmp_path: Path
     )
 
 
-def test_store_port_block_is_free_and_outside_the_ephemeral_range() -> None:
+def test_store_and_rendezvous_ports_are_free_and_outside_the_ephemeral_range() -> None:
     import socket
 
     low, _high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
@@ -363,6 +363,8 @@ def test_store_port_block_is_free_and_outside_the_ephemeral_range() -> None:
         s.bind(("127.0.0.1", base))
     with socket.socket() as s:
         s.bind(("127.0.0.1", base + STORE_PORT_SPAN - 1))
+    ports = {free_port() for _ in range(20)}
+    assert max(ports) < low and len(ports) > 1  # nor another process's port 0 (a gloo listener)
 
 
 def test_run_dir_lock_refuses_a_second_holder_and_takes_over_a_stale_one(tmp_path: Path) -> None:

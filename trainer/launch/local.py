@@ -268,10 +268,12 @@ def hold_run_dir(run_dir: Path) -> Iterator[int]:
 
 
 def free_port() -> int:
-    """A TCP port free on loopback right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on loopback right now, below the kernel's ephemeral range: a port the
+    kernel hands out for port 0 may be handed out again before the job binds it. Two runs started
+    at once: one's rank bound a gloo listener on the port the other's launcher had found free for
+    its rendezvous, and that launcher's store client retried against it for ten minutes.
+    """
+    return free_port_base(1)
 
 
 # The in-process restart stores listen on PORT_BASE + 100 * (MASTER_PORT % 16) + 1 + attempt
