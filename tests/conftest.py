@@ -242,11 +242,11 @@ class MlflowServer:
     """A real ``mlflow server`` (sqlite backend, its own artifact root) on a free loopback port."""
 
     def __init__(self, root: Path) -> None:
-        import socket
+        from trainer.launch.local import free_port
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        # Below the ephemeral range: the outage test starts it again on this port, and a port the
+        # kernel hands out for port 0 (another job's gloo listener) could have taken it meanwhile.
+        self.port = free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
         self.root = root
         self.proc: subprocess.Popen | None = None
