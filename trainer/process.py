@@ -57,6 +57,16 @@ def process_start_time(pid: int | None = None) -> float:
     return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
 
+def exit_code(e: SystemExit) -> int:
+    """The code the interpreter would exit with for ``e``; like it, print a code that is neither
+    an int nor None (a message) to stderr.
+    """
+    if e.code is None or isinstance(e.code, int):
+        return e.code or 0
+    print(e.code, file=sys.stderr)
+    return 1
+
+
 def leave(code: int) -> NoReturn:
     """End this process as the interpreter's exit would (non-daemon threads joined, then the
     atexit handlers, stdio flushed), less its teardown of every module. With torch loaded that

@@ -619,3 +619,11 @@ def test_sync_tree_copies_only_what_differs_and_never_truncates_a_file_being_rea
         assert mapped[:] == b"a" * 4096  # the reader's file is whole (a truncation would SIGBUS here)
     assert (dst / "shards" / "a.bin").read_bytes() == b"b" * 8192
     assert not [p for p in dst.rglob(".*tmp*")]
+
+
+def test_a_forked_process_exits_with_the_code_the_interpreter_would(capsys: pytest.CaptureFixture) -> None:
+    from trainer.process import exit_code
+
+    assert [exit_code(SystemExit(code)) for code in (None, 0, 3)] == [0, 0, 3]
+    assert exit_code(SystemExit("no restart can fix this")) == 1
+    assert capsys.readouterr().err == "no restart can fix this\n"

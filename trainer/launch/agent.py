@@ -23,7 +23,7 @@ import sys
 
 from trainer.launch.worker import start_zygote, zygote_address
 from trainer.launch.zygote import fork_zygote
-from trainer.process import leave
+from trainer.process import exit_code, leave
 
 
 def rendezvous_id(argv: list[str], env: dict[str, str]) -> str:
@@ -55,7 +55,7 @@ def main() -> None:
         ft_launcher()
         code = 0
     except SystemExit as e:  # how it always ends
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        code = exit_code(e)
     leave(code)
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from trainer.launch.local import check_launch, free_port
 from trainer.launch.spec import LaunchSpec
+from trainer.process import exit_code
 from trainer.rank.config import TrainConfig
 
 TIMED_OUT = 124
@@ -80,7 +81,7 @@ def _run_rank(main: Callable[[list[str]], None], argv: list[str], env: dict[str,
         main(argv)
         code = 0
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        code = exit_code(e)
     except BaseException:
         traceback.print_exc()
     finally:

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 from trainer import cgroup
 from trainer.launch.worker import TRAIN_MODULE, lock_address, peer_uid, report_oom
-from trainer.process import leave, process_start_time
+from trainer.process import exit_code, leave, process_start_time
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _MAX_MESSAGE = 1 << 20
@@ -317,9 +317,7 @@ def fork_zygote(address: str) -> int | None:
         _serve_and_run(address, agent_pid)
         code = 0
     except SystemExit as e:  # a rank's sys.exit
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, int | None):
-            print(e.code, file=sys.stderr)
+        code = exit_code(e)
     except BaseException:
         traceback.print_exc()
         code = 1
