@@ -21,7 +21,7 @@ from tests.reaper import (
 from trainer.checkpoint import local_tier_dir
 from trainer.data import BUILTIN_CORPUS
 from trainer.data.shards import builtin_corpus_text, prepare_tokens
-from trainer.events import final_losses, read_events
+from trainer.events import Failure, final_losses, read_events, select
 from trainer.rank.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -157,7 +157,7 @@ def why_it_restarted(run_dir: Path) -> str:
     """For an assertion's message: the run's failure events and what its launchers logged about
     timeouts, failed ranks and restarts (a restart that should not have happened, seen only in CI).
     """
-    failures = [line for line in (run_dir / "events.jsonl").read_text().splitlines() if '"failure"' in line]
+    failures = [repr(failure) for failure in select(read_events(run_dir), Failure)]
     marks = ("timeout", "timed out", "heartbeat", "section", "failed", "restart", "error", "killed", "signal")
     logged = [
         f"{log.name}: {line[:300]}"
