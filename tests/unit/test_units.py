@@ -38,7 +38,7 @@ from trainer.events import (
     to_record,
 )
 from trainer.faults import parse_fault_spec
-from trainer.launch.local import STORE_PORT_SPAN, check_launch, free_port, free_port_base
+from trainer.launch.local import STORE_PORT_SPAN, STORE_PORTS, check_launch, free_port, free_port_base
 from trainer.launch.spec import LaunchSpec
 from trainer.rank.config import Timeouts, TrainConfig
 from trainer.rank.recovery import RunHistory, describe_restart, read_history
@@ -365,6 +365,7 @@ def test_store_and_rendezvous_ports_are_free_and_outside_the_ephemeral_range() -
         s.bind(("127.0.0.1", base + STORE_PORT_SPAN - 1))
     ports = {free_port() for _ in range(20)}
     assert max(ports) < low and len(ports) > 1  # nor another process's port 0 (a gloo listener)
+    assert min(ports) >= STORE_PORTS[1] > base + STORE_PORT_SPAN  # nor a port of another job's store block
 
 
 def test_run_dir_lock_refuses_a_second_holder_and_takes_over_a_stale_one(tmp_path: Path) -> None:

@@ -267,13 +267,19 @@ def hold_run_dir(run_dir: Path) -> Iterator[int]:
         os.close(fd)
 
 
+# Below the kernel's ephemeral range (32768 and up on Linux), so that no port 0 and no outgoing
+# connection (gloo opens many) takes one of ours between the check and the bind; in two parts, so
+# that one job's single port never lands in another's store block, whose ports bind one by one.
+STORE_PORTS = (10000, 26000)
+SINGLE_PORTS = (26000, 32000)
+
+
 def free_port() -> int:
-    """A TCP port free on loopback right now, below the kernel's ephemeral range: a port the
-    kernel hands out for port 0 may be handed out again before the job binds it. Two runs started
-    at once: one's rank bound a gloo listener on the port the other's launcher had found free for
-    its rendezvous, and that launcher's store client retried against it for ten minutes.
+    """A TCP port free on loopback right now, in :data:`SINGLE_PORTS`. From the kernel's port 0,
+    two runs started at once met: one's rank bound a gloo listener on the port the other's
+    launcher had found free for its rendezvous.
     """
-    return free_port_base(1)
+    return free_port_base(1, low=SINGLE_PORTS[0], high=SINGLE_PORTS[1])
 
 
 # The in-process restart stores listen on PORT_BASE + 100 * (MASTER_PORT % 16) + 1 + attempt
@@ -281,9 +287,9 @@ def free_port() -> int:
 STORE_PORT_SPAN = 1600
 
 
-def free_port_base(span: int = STORE_PORT_SPAN, *, low: int = 10000, high: int = 32000) -> int:
-    """The first of ``span`` ports, all free on loopback right now, below the kernel's ephemeral
-    range (32768 and up on Linux) so that no outgoing connection (gloo opens many) takes one later.
+def free_port_base(span: int = STORE_PORT_SPAN, *, low: int = STORE_PORTS[0], high: int = STORE_PORTS[1]) -> int:
+    """The first of ``span`` ports, all free on loopback right now, between ``low`` and ``high``
+    (by default a block of :data:`STORE_PORTS`).
     """
     rng = random.Random()
     for _ in range(100):
