@@ -398,3 +398,44 @@ leave(3)
     assert proc.returncode == 3, proc.stderr
     assert proc.stdout == "unflushed"
     assert out.read_text() == "thread atexit"
+
+
+_TRIPWIRE = """
+import json, sys, torch
+calls = []
+def tripwire(name, fn):
+    def wrapped(*args, **kwargs):
+        calls.append(name)
+        return fn(*args, **kwargs)
+    return wrapped
+for name in dir(torch._C):
+    if name.startswith("_cuda_") and callable(getattr(torch._C, name)):
+        setattr(torch._C, name, tripwire(name, getattr(torch._C, name)))
+# Not device_count: it asks NVML, which is safe to fork after (NVRx's local tier calls it at import).
+for name in ("is_available", "init", "is_bf16_supported", "get_device_capability", "get_device_properties",
+             "current_device", "set_device", "synchronize", "mem_get_info"):
+    setattr(torch.cuda, name, tripwire("cuda." + name, getattr(torch.cuda, name)))
+from trainer.launch.zygote import PRELOAD
+from trainer.models import model_modules
+modules = [*PRELOAD, *model_modules(sys.argv[1])]
+for module in modules:
+    __import__(module)
+imported = list(calls)
+torch.cuda.is_available()  # the tripwire's own check: this one must be seen
+print(json.dumps({"imported": imported, "canary": calls[len(imported):], "modules": modules}))
+"""
+
+
+def test_what_the_zygote_imports_calls_no_cuda_api(tmp_path: Path) -> None:
+    """The zygote forks the ranks, so it must never touch a GPU (a CUDA context does not survive a
+    fork): importing what it preloads, an ``hf:`` model's transformers modules included, calls no
+    CUDA function of torch's that starts CUDA. Checked in a fresh interpreter, with a tripwire on
+    each of them."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    proc = subprocess.run(
+        [sys.executable, "-c", _TRIPWIRE, f"hf:{tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.splitlines()[-1])
+    assert "transformers.models.llama.modeling_llama" in seen["modules"]
+    assert seen["canary"] and seen["imported"] == [], seen["imported"]

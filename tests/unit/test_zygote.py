@@ -4,10 +4,15 @@ restarted ranks are forks of the node's zygote: tests/integration/test_zygote_ru
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
+
+import pytest
 
 from trainer.launch.worker import request_of
-from trainer.launch.zygote import Request, rank_environment
+from trainer.launch.zygote import Request, model_flag, rank_environment
+from trainer.models import model_modules
 
 
 def test_a_request_carries_no_secret_and_the_rank_gets_them_from_the_zygote() -> None:
@@ -50,3 +55,32 @@ def test_the_agent_names_its_zygote_by_the_rendezvous_id_its_workers_get() -> No
     assert rendezvous_id(["--rdzv-id", "a", *argv], {"PET_RDZV_ID": "job-7"}) == "a"
     assert rendezvous_id(["--rdzv_id=b", *argv], {}) == "b"
     assert rendezvous_id([*argv, "--rdzv-id", "c"], {"PET_RDZV_ID": "job-7"}) == "job-7"
+
+
+def test_the_zygote_finds_the_model_on_the_agents_command_line() -> None:
+    """The agent's flags come first, the training module's after them: the last ``--model`` wins."""
+    agent = ["python", "-m", "trainer.launch.agent", "--nproc-per-node", "2", "-m", "trainer.launch.worker"]
+    assert model_flag([*agent, "--data", "d", "--model", "hf:/m", "--steps", "3"]) == "hf:/m"
+    assert model_flag([*agent, "--model=py:team.model:build"]) == "py:team.model:build"
+    assert model_flag([*agent, "--data", "d"]) == model_flag([*agent, "--model"]) == ""
+
+
+def test_an_hf_models_modules_come_from_its_config(tmp_path: Path) -> None:
+    """What the zygote imports for an ``hf:`` model: transformers' causal-LM classes, and the
+    modeling module its config names where the config is local. Each name is a real module."""
+    base = ["trainer.models.hf", "transformers.models.auto.modeling_auto"]
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    local = model_modules(f"hf:{tmp_path}")
+    assert local == [*base, "transformers.models.llama.modeling_llama"]
+    assert all(importlib.util.find_spec(name) is not None for name in local)
+    assert model_modules("hf:meta-llama/Llama-3.2-1B") == base  # the hub's: its config is not here yet
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama.modeling_llama.os"}))
+    assert model_modules(f"hf:{tmp_path}") == base  # only a plain name makes a module name
+    (tmp_path / "config.json").write_text("[]")
+    assert model_modules(f"hf:{tmp_path}") == base
+
+
+@pytest.mark.parametrize("model", ["tiny", "py:trainer.models.example:build"])
+def test_only_an_hf_model_adds_imports_to_the_zygote(model: str) -> None:
+    """A built-in size needs none; a team's own module may take a GPU when imported."""
+    assert model_modules(model) == []

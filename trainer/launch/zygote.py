@@ -4,9 +4,10 @@ Forked by the agent (``trainer.launch.agent``) once it has imported torch (:func
 or else started by its first worker (``trainer.launch.worker``, which documents the client's side)
 as ``python -m trainer.launch.zygote ADDRESS AGENT_PID``. Every rank of that agent is then a
 fork of this process, the first ones and the restarted ones: it skips the interpreter's start and
-the imports (torch, DCP, NVRx, the trainer and ``torch._dynamo``), seconds of CPU per rank, paid
-once per node instead. As the ranks' parent, the zygote also learns how each ended, and its peak
-memory (``wait4``): what tells an OOM kill apart from another SIGKILL.
+the imports (torch, DCP, NVRx, the trainer and ``torch._dynamo``; for an ``hf:`` model, the
+transformers modules it needs too), seconds of CPU per rank, paid once per node instead. As the
+ranks' parent, the zygote also learns how each ended, and its peak memory (``wait4``): what tells
+an OOM kill apart from another SIGKILL.
 
 What keeps a fork equal to a fresh interpreter:
 
@@ -52,6 +53,7 @@ from dataclasses import dataclass
 
 from trainer import cgroup
 from trainer.launch.worker import TRAIN_MODULE, lock_address, peer_uid, report_oom
+from trainer.models import model_modules
 from trainer.process import exit_code, leave, process_start_time
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -97,10 +99,37 @@ class _Rank:
     """The zygote killed it (its worker was gone): not the OOM killer."""
 
 
-def _preload() -> None:
-    """Import :data:`PRELOAD` (the node's workers wait for it: one import for all its ranks)."""
+def _preload(agent_pid: int) -> None:
+    """Import :data:`PRELOAD` and the modules of the model the agent's ranks train (the node's
+    workers wait for it: one import for all its ranks, and for every rank of a restart).
+    """
     for name in PRELOAD:
         __import__(name)
+    for name in model_modules(_agent_model(agent_pid)):
+        try:
+            __import__(name)
+        except Exception:  # the rank imports it again, and reports what fails
+            continue
+
+
+def _agent_model(agent_pid: int) -> str:
+    """The ``--model`` on the agent's command line, or ""."""
+    try:
+        with open(f"/proc/{agent_pid}/cmdline", "rb") as f:
+            return model_flag(f.read().decode(errors="replace").split("\0"))
+    except OSError:
+        return ""
+
+
+def model_flag(argv: list[str]) -> str:
+    """The last ``--model`` of ``argv`` (the training's flags end an agent's), or ""."""
+    model = ""
+    for i, arg in enumerate(argv):
+        if arg == "--model" and i + 1 < len(argv):
+            model = argv[i + 1]
+        elif arg.startswith("--model="):
+            model = arg.removeprefix("--model=")
+    return model
 
 
 def _lock(path: str) -> int | None:
@@ -187,7 +216,7 @@ def serve(address: str, agent_pid: int) -> Request | None:
     except ProcessLookupError:  # the agent is gone already: no worker of it comes any more
         os.unlink(lock_address(address))
         return None
-    _preload()
+    _preload(agent_pid)
     sys.stdout.flush()
     sys.stderr.flush()
     listener: socket.socket | None = _bind(address)

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -14,7 +16,16 @@ from trainer.models.sizes import MODEL_SIZES, ModelSize, size_parameters
 if TYPE_CHECKING:  # (importing this package must not import torch: the pipeline's definition reads it)
     from trainer.models.spec import ModelSpec
 
-__all__ = ["MODEL_SIZES", "ModelInfo", "ModelSize", "build_model", "check_model", "check_model_name", "parameter_count"]
+__all__ = [
+    "MODEL_SIZES",
+    "ModelInfo",
+    "ModelSize",
+    "build_model",
+    "check_model",
+    "check_model_name",
+    "model_modules",
+    "parameter_count",
+]
 
 
 def check_model_name(name: str) -> None:
@@ -80,3 +91,23 @@ def parameter_count(name: str) -> int:
     if name in MODEL_SIZES:
         return size_parameters(MODEL_SIZES[name])
     return check_model(name).parameters
+
+
+def model_modules(name: str) -> list[str]:
+    """What a rank imports to build ``--model name`` that a node's zygote can import once for all
+    its ranks: for an ``hf:`` model, transformers' causal-LM classes and, for a local folder, the
+    modeling module of its config's ``model_type``. Without torch or transformers, and without
+    raising: a name or config it cannot read gives less (the rank imports the rest itself).
+    Nothing for a ``py:`` model: a team's module may do anything when imported, such as take a
+    GPU, which a process that forks ranks must not.
+    """
+    if not name.startswith("hf:"):
+        return []
+    modules = ["trainer.models.hf", "transformers.models.auto.modeling_auto"]
+    try:
+        model_type = json.loads((Path(name.removeprefix("hf:")) / "config.json").read_text())["model_type"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return modules  # not a local folder (a hub id, s3://), or no usable config
+    if isinstance(model_type, str) and re.fullmatch(r"[a-z0-9_]+", model_type):
+        modules.append(f"transformers.models.{model_type}.modeling_{model_type}")
+    return modules
