@@ -44,7 +44,7 @@ CKPTS_PER_INTERVAL = 12
 SKIP = 5
 """Warm-up steps of the calibration run left out of the step time."""
 FULL = {"model": "tiny", "fault_every_s": 60.0, "faults": 6, "calibration_steps": 300, "seed": 0, "reps": 1}
-QUICK = {"model": "tiny", "fault_every_s": 2.0, "faults": 2, "calibration_steps": 60, "seed": 0, "reps": 1}
+QUICK = {"model": "tiny", "fault_every_s": 1.0, "faults": 2, "calibration_steps": 60, "seed": 0, "reps": 1}
 MIN_FAULT_EVERY_S = 1.0
 
 
