@@ -84,3 +84,29 @@ def test_an_hf_models_modules_come_from_its_config(tmp_path: Path) -> None:
 def test_only_an_hf_model_adds_imports_to_the_zygote(model: str) -> None:
     """A built-in size needs none; a team's own module may take a GPU when imported."""
     assert model_modules(model) == []
+
+
+def test_the_agent_drops_a_dead_node_from_the_rendezvous_after_5_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVRx 0.4.1's rendezvous handler fixes the keep-alive at 3 renewals of 5 s, by keyword: the
+    agent makes every settings object it builds renew each second and give up after 5 missed."""
+    import datetime
+    import inspect
+
+    from nvidia_resiliency_ext.fault_tolerance import _ft_rendezvous as rendezvous
+
+    from trainer.launch.agent import KEEP_ALIVE_ATTEMPTS, KEEP_ALIVE_S, shorten_keep_alive
+
+    monkeypatch.setattr(rendezvous, "RendezvousSettings", rendezvous.RendezvousSettings)  # restored after
+    built = inspect.getsource(rendezvous.FtRendezvousHandler.from_backend)
+    assert "keep_alive_interval=" in built and "keep_alive_max_attempt=" in built  # by keyword, as the shim needs
+    assert shorten_keep_alive()
+    settings = rendezvous.RendezvousSettings(
+        "run",
+        1,
+        2,
+        rendezvous.RendezvousTimeout(),
+        keep_alive_interval=datetime.timedelta(seconds=5),
+        keep_alive_max_attempt=3,
+    )
+    assert settings.keep_alive_interval == datetime.timedelta(seconds=KEEP_ALIVE_S) == datetime.timedelta(seconds=1)
+    assert settings.keep_alive_max_attempt == KEEP_ALIVE_ATTEMPTS == 5

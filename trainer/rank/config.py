@@ -326,10 +326,13 @@ class Timeouts:
 
     @property
     def wrapper_heartbeat(self) -> float:
-        """The in-process wrapper's heartbeat timeout between ranks' monitor processes: NVRx's
-        default (30 s), or less where NVRx's rule that it stays below the barrier timeout needs it.
+        """The in-process wrapper's heartbeat timeout between the ranks' monitor processes: how
+        long a rank whose node is gone (its monitor process with it) holds the others in the
+        restart's barrier before in-job restart takes over. Below the heartbeat timeout, which a
+        lost node otherwise waited out, and at least 3 s: the monitor processes are small and
+        heartbeat every second whatever the training does. At most NVRx's default (30 s).
         """
-        return min(30.0, 3 * self.hang)
+        return min(30.0, max(3.0, 0.3 * self.hang))
 
     @property
     def barrier(self) -> float:
