@@ -34,6 +34,12 @@ def test_the_rule_classifies_each_failure() -> None:
     assert classify(raised(ValueError("a bug"))) == ("bug", "exception")
     assert classify(raised(NonFiniteLoss("the loss is nan at step 7"))) == ("bug", "nonfinite_loss")
     assert classify(raised(dist.DistBackendError("NCCL communicator was aborted"))) == ("infrastructure", "collective")
+    # A pending collective's Work.wait() raises gloo's error from C++: the frame is the caller's.
+    reset = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:54947: Connection reset"
+    assert classify(raised(RuntimeError(reset))) == ("infrastructure", "collective")
+    mismatch = "[enforce fail at gloo/allreduce.cc:32] size mismatch"  # gloo, but no lost peer
+    assert classify(raised(RuntimeError(mismatch))) == ("bug", "exception")
+    assert classify(raised(RuntimeError("the connection to my database was reset"))) == ("bug", "exception")
     assert classify(raised(OSError(errno.EIO, "Input/output error"))) == ("infrastructure", "io")
     assert classify(raised(OSError(errno.ENOENT, "No such file"))) == ("bug", "exception")  # a path the code got wrong
     assert classify(raised(KeyboardInterrupt())) is None  # not an Exception: no failure of this rank's

@@ -49,6 +49,8 @@ _LIBRARY_PATHS = tuple(
 )
 _TRANSPORT = re.compile(r"connection|closed|reset|timed? ?out|abort|peer|socket|broken pipe|nccl|gloo", re.IGNORECASE)
 """What a collective's error says when its peer or link is gone (gloo: "Connection closed by peer")."""
+_BACKEND = re.compile(r"gloo/transport/|ProcessGroupGloo|ProcessGroupNCCL")
+"""Where the collective's backend itself raised: its source path or class in the message."""
 
 
 class NonFiniteLoss(RuntimeError):
@@ -86,8 +88,13 @@ def classify(error: BaseException) -> tuple[str, str] | None:
 
 
 def _raised_in_collective(error: BaseException) -> bool:
+    """A lost peer or link, raised in torch.distributed's Python code or, through a pending
+    collective's ``Work.wait()`` (C++: the innermost Python frame is the caller's), by the backend.
+    """
     frames = traceback.extract_tb(error.__traceback__)
-    return bool(frames) and "/torch/distributed/" in frames[-1].filename and bool(_TRANSPORT.search(str(error)))
+    message = str(error)
+    in_torch = bool(frames) and "/torch/distributed/" in frames[-1].filename
+    return (in_torch or bool(_BACKEND.search(message))) and bool(_TRANSPORT.search(message))
 
 
 def origin(error: BaseException) -> str:
