@@ -278,7 +278,9 @@ def serve(address: str, agent_pid: int) -> Request | None:
                         rank.conn.send(json.dumps(ended).encode())
                     rank.conn.close()
             else:  # a client's connection closed: the launcher killed that worker, so the rank goes too
-                rank = next(r for r in ranks.values() if r.conn is item)
+                rank = next((r for r in ranks.values() if r.conn is item), None)
+                if rank is None:  # its rank ended in this same round: seen above, the connection closed there
+                    continue
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(rank.pid, signal.SIGKILL)
                 rank.conn.close()
