@@ -20,8 +20,7 @@ OUTAGE_S = float(os.environ.get("RFSDP_TEST_OUTAGE_S", "6"))
 """How long the server stays down before it is started again (the issue's scenario says a minute;
 ``RFSDP_TEST_OUTAGE_S=60`` runs it as written). The server is down longer: its own start adds
 seconds. 6 s is more than the live logger's 5 s interval, so at least one of its attempts fails
-and the steps of the outage pile up in its buffer, and long enough that a training that waited
-on the server would show a gap between two steps far beyond any step's own time."""
+and the steps of the outage pile up in its buffer."""
 
 
 def _steps(run: Path) -> list[Step]:
@@ -115,7 +114,9 @@ def test_an_outage_of_the_tracking_server_mid_run_loses_and_repeats_nothing(
     assert [e.step for e in steps] == list(range(1, len(steps) + 1))  # no fault: each step once, in order
     assert sum(down < t < up for t in times) > 0  # trained while the server was down ...
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
-    assert max(gaps) < OUTAGE_S, f"a step waited {max(gaps):.1f} s"  # ... and never waited on it
+    # ... and never waited on it: a wait would last most of the outage, however slow the machine
+    # (the server's restart, part of the outage, slows with it).
+    assert max(gaps) < (up - down) / 2, f"a step waited {max(gaps):.1f} s of the {up - down:.1f} s outage"
 
     end = [e for e in read_events(run) if isinstance(e, RunEnd)][-1]
     assert end.step == steps[-1].step
