@@ -110,3 +110,45 @@ def test_the_agent_drops_a_dead_node_from_the_rendezvous_after_5_s(monkeypatch: 
     )
     assert settings.keep_alive_interval == datetime.timedelta(seconds=KEEP_ALIVE_S) == datetime.timedelta(seconds=1)
     assert settings.keep_alive_max_attempt == KEEP_ALIVE_ATTEMPTS == 5
+
+
+def test_the_agent_delays_only_its_first_join_and_polls_a_waiting_rendezvous_often(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NVRx 0.4.1 delays a join by a random 0-0.3 s while the rendezvous is at round 0, which it
+    still is at the first restart; a node serves a copy of the state up to 1 s old, and one that
+    waits for its peers polls every 1 s: the agent delays only each handler's first join, and
+    both waits are ``SYNC_POLL_S``."""
+    import inspect
+    import time
+
+    from nvidia_resiliency_ext.fault_tolerance import _ft_rendezvous as rendezvous
+
+    from trainer.launch.agent import SYNC_POLL_S, prompt_rendezvous
+
+    handler = rendezvous.FtRendezvousHandler
+    joining = inspect.getsource(handler.next_rendezvous)
+    assert "state.round == 0" in joining and "_delay(seconds=(0, 0.3))" in joining  # what the shim takes out
+    assert "_delay(seconds=1)" in inspect.getsource(rendezvous._DistributedRendezvousOpExecutor.run)
+    assert "_BackendRendezvousStateHolder(backend, settings)" in inspect.getsource(handler.from_backend)
+
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)  # NVRx's _delay sleeps through time.sleep
+    monkeypatch.setattr(rendezvous, "_delay", rendezvous._delay)  # all three restored after
+    monkeypatch.setattr(rendezvous, "_BackendRendezvousStateHolder", rendezvous._BackendRendezvousStateHolder)
+    monkeypatch.setattr(handler, "next_rendezvous", lambda self: rendezvous._delay(seconds=(0.1, 0.2)) or self)
+    assert prompt_rendezvous()
+
+    class Agent:  # stands in for a handler: the join above only delays, as NVRx's does at round 0
+        pass
+
+    first, other = Agent(), Agent()
+    assert handler.next_rendezvous(first) is first and len(slept) == 1 and 0.1 <= slept[0] <= 0.2
+    handler.next_rendezvous(first)  # a restart: no delay
+    handler.next_rendezvous(first)
+    assert len(slept) == 1
+    handler.next_rendezvous(other)  # another handler's first join is still delayed
+    assert len(slept) == 2
+    rendezvous._delay(seconds=1)  # a waiting node's poll
+    assert slept[2:] == [SYNC_POLL_S] == [0.1]
+    assert rendezvous._BackendRendezvousStateHolder(object(), object())._cache_duration == SYNC_POLL_S
