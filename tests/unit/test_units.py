@@ -370,6 +370,34 @@ def test_store_and_rendezvous_ports_are_free_and_outside_the_ephemeral_range() -
     assert min(ports) >= STORE_PORTS[1] > base + STORE_PORT_SPAN  # nor a port of another job's store block
 
 
+def test_a_port_an_earlier_connection_holds_in_time_wait_counts_as_free() -> None:
+    """The stores bind with SO_REUSEADDR, so a port in TIME_WAIT is theirs to take; a port that
+    something listens on is not free."""
+    import datetime
+    import socket
+
+    from torch.distributed import TCPStore
+
+    from trainer.launch.local import _port_free
+
+    port = free_port_base(1)
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        assert not _port_free(port)
+        with socket.create_connection(("127.0.0.1", port)):
+            accepted, _ = listener.accept()
+            accepted.close()  # the server's side closes first: its port goes to TIME_WAIT
+            time.sleep(0.05)
+    with socket.socket() as plain, pytest.raises(OSError):  # what the check did without SO_REUSEADDR
+        plain.bind(("127.0.0.1", port))
+    assert _port_free(port)
+    store = TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=5))  # as a store takes it
+    store.set("k", "v")
+    del store
+
+
 def test_run_dir_lock_refuses_a_second_holder_and_takes_over_a_stale_one(tmp_path: Path) -> None:
     import os
 
