@@ -120,9 +120,10 @@ def test_the_agent_delays_only_its_first_join_and_polls_a_waiting_rendezvous_oft
     waits for its peers polls every 1 s: the agent delays only each handler's first join, and
     both waits are ``SYNC_POLL_S``."""
     import inspect
-    import time
+    import types
 
     from nvidia_resiliency_ext.fault_tolerance import _ft_rendezvous as rendezvous
+    from nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.rendezvous import utils
 
     from trainer.launch.agent import SYNC_POLL_S, prompt_rendezvous
 
@@ -133,7 +134,9 @@ def test_the_agent_delays_only_its_first_join_and_polls_a_waiting_rendezvous_oft
     assert "_BackendRendezvousStateHolder(backend, settings)" in inspect.getsource(handler.from_backend)
 
     slept: list[float] = []
-    monkeypatch.setattr(time, "sleep", slept.append)  # NVRx's _delay sleeps through time.sleep
+    # NVRx's _delay sleeps through its module's time.sleep: replaced there only, so that no other
+    # thread's sleep is counted (or made to spin)
+    monkeypatch.setattr(utils, "time", types.SimpleNamespace(sleep=slept.append))
     monkeypatch.setattr(rendezvous, "_delay", rendezvous._delay)  # all three restored after
     monkeypatch.setattr(rendezvous, "_BackendRendezvousStateHolder", rendezvous._BackendRendezvousStateHolder)
     monkeypatch.setattr(handler, "next_rendezvous", lambda self: rendezvous._delay(seconds=(0.1, 0.2)) or self)
