@@ -398,6 +398,34 @@ def test_a_port_an_earlier_connection_holds_in_time_wait_counts_as_free() -> Non
     del store
 
 
+def test_a_rank_writes_each_line_of_its_stderr_in_one_piece() -> None:
+    """Ranks share their launcher's log: print's text and its newline must leave in one write."""
+    import io
+
+    from trainer.rank.train import write_lines_whole
+
+    class Writes(io.RawIOBase):
+        def __init__(self) -> None:
+            self.calls: list[bytes] = []
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, b: bytes) -> int:
+            self.calls.append(bytes(b))
+            return len(b)
+
+    raw = Writes()
+    stderr = io.TextIOWrapper(raw, write_through=True)  # as Python's own stderr
+    print("rank 0: one", file=stderr)
+    assert raw.calls == [b"rank 0: one", b"\n"]  # what interleaved with another rank's line
+    write_lines_whole(stderr)
+    print("rank 0: two", file=stderr)
+    print("rank 0:", "three", file=stderr)
+    stderr.write("Traceback ...\n  two lines\n")  # a text that ends its last line: one write too
+    assert raw.calls[2:] == [b"rank 0: two\n", b"rank 0: three\n", b"Traceback ...\n  two lines\n"]
+
+
 def test_run_dir_lock_refuses_a_second_holder_and_takes_over_a_stale_one(tmp_path: Path) -> None:
     import os
 

@@ -488,6 +488,16 @@ class Trainer:
         dist.destroy_process_group()
 
 
+def write_lines_whole(stream: object) -> None:
+    """Make ``stream`` write a print of one line in one piece (and any text that ends its last
+    line). The node's ranks write to one log, and stderr writes through: a print's text and its
+    newline were two writes, and another rank's line could land between them (a test that read
+    the log line by line then missed one).
+    """
+    with contextlib.suppress(AttributeError, ValueError):
+        stream.reconfigure(line_buffering=True, write_through=False)
+
+
 def main(
     argv: list[str] | None = None, *, startup: dict[str, float] | None = None, launcher_started: float | None = None
 ) -> None:
@@ -500,6 +510,7 @@ def main(
             zygote has its own).
         launcher_started: when the launcher that started this rank started (default: the parent process's start).
     """
+    write_lines_whole(sys.stderr)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_arguments(parser)
     cfg = TrainConfig.from_mapping(vars(parser.parse_args(argv)))
